@@ -1,0 +1,11 @@
+"""Adam at memory-bandwidth speed on the CPU, for models larger than their GPU.
+
+Importing the package compiles nothing: the kernels are loaded, or compiled
+once, on the first optimizer step.
+"""
+
+__version__ = "0.1.0"
+
+from .optimizer import CPUAdam
+
+__all__ = ["CPUAdam", "__version__"]

@@ -1,0 +1,173 @@
+"""Typed wrappers of ``torch.ops.cpu_adam.*``.
+
+The library is loaded (or compiled, on first use) by the first call here, never
+at import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor
+
+from . import _build
+
+__all__ = [
+    "active_isa",
+    "adam_step",
+    "bandwidth_probe",
+    "compiled_isas",
+    "force_isa",
+    "supported_isas",
+]
+
+
+_fakes_registered = False
+
+
+def _ops():
+    global _fakes_registered
+    _build.load()
+    if not _fakes_registered:
+        _register_fakes()
+        _fakes_registered = True
+    return torch.ops.cpu_adam
+
+
+def _register_fakes() -> None:
+    # The ops only mutate their inputs, so tracing (torch.compile) needs no
+    # shapes from them: the fake kernels do nothing.
+    def nothing(*args) -> None:
+        return None
+
+    for name in ("cpu_adam::adam_step_", "cpu_adam::bandwidth_probe_"):
+        torch.library.register_fake(name)(nothing)
+
+
+def _check_dense_cpu(tensors: Sequence[Tensor], role: str) -> None:
+    # Devices and layouts are checked before dispatch: a CUDA, meta or sparse
+    # tensor would otherwise fail inside torch's dispatcher with a message that
+    # does not say what to do.
+    for i, t in enumerate(tensors):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"cpu_adam: {role}[{i}] is a {type(t).__name__}, not a torch.Tensor")
+        if t.layout != torch.strided:
+            raise RuntimeError(
+                f"cpu_adam: {role}[{i}] is a {t.layout} tensor; Adam here needs dense tensors "
+                "(for embeddings use sparse=False, or convert the grad with .to_dense())"
+            )
+        if t.device.type != "cpu":
+            raise RuntimeError(
+                f"cpu_adam: {role}[{i}] is on {t.device}; the kernel updates CPU tensors. Move the "
+                "optimizer state and params to the CPU, or use cpu_adam.OffloadOptimizer for "
+                "parameters that live on an accelerator"
+            )
+
+
+def _check_all(params, grads, exp_avgs, exp_avg_sqs, bf16_outs) -> None:
+    for tensors, role in (
+        (params, "params"),
+        (grads, "grads"),
+        (exp_avgs, "exp_avgs"),
+        (exp_avg_sqs, "exp_avg_sqs"),
+        (bf16_outs, "bf16_outs"),
+    ):
+        _check_dense_cpu(tensors, role)
+
+
+def adam_step(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float = 0.0,
+    adamw_mode: bool = True,
+    bias_correction: bool = True,
+    grad_scale: float = 1.0,
+    bf16_outs: Sequence[Tensor] | None = None,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
+) -> None:
+    """One fused Adam/AdamW step over every tensor in the lists, in place.
+
+    ``step`` is the step count including this one (1 on the first step). Grads
+    are multiplied by ``grad_scale`` first (clipping, averaging). Where given,
+    ``bf16_outs[i]`` receives the updated ``params[i]`` rounded to bfloat16; it
+    may be the very tensor ``grads[i]`` when that grad is bfloat16.
+    ``stochastic_rounding`` applies to bfloat16 params only; its random bits are
+    a function of ``(seed, step, position in the list, element index)``.
+    """
+    if step < 1:
+        raise ValueError(f"cpu_adam: step counts from 1 (the step being taken), got {step}")
+    outs = list(bf16_outs) if bf16_outs is not None else []
+    _check_all(params, grads, exp_avgs, exp_avg_sqs, outs)
+    bias_correction1 = 1.0 - beta1**step if bias_correction else 1.0
+    bias_correction2 = 1.0 - beta2**step if bias_correction else 1.0
+    _ops().adam_step_(
+        list(params),
+        list(grads),
+        list(exp_avgs),
+        list(exp_avg_sqs),
+        outs,
+        lr,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+        adamw_mode,
+        bias_correction1,
+        bias_correction2,
+        grad_scale,
+        stochastic_rounding,
+        seed,
+        step,
+    )
+
+
+def bandwidth_probe(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    bf16_outs: Sequence[Tensor] | None = None,
+) -> None:
+    """Moves exactly the bytes ``adam_step`` moves, with trivial math: its roofline.
+
+    Overwrites the tensors (param += grad, moments += grad).
+    """
+    outs = list(bf16_outs) if bf16_outs is not None else []
+    _check_all(params, grads, exp_avgs, exp_avg_sqs, outs)
+    _ops().bandwidth_probe_(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), outs)
+
+
+def compiled_isas() -> list[str]:
+    """ISAs compiled into the loaded library, best first."""
+    return list(_ops().compiled_isas())
+
+
+def supported_isas() -> list[str]:
+    """Compiled ISAs this CPU can run, best first."""
+    return list(_ops().supported_isas())
+
+
+def active_isa() -> str:
+    """The ISA the next step runs on (the best supported, or CPU_ADAM_ISA)."""
+    return str(_ops().active_isa())
+
+
+@contextmanager
+def force_isa(name: str) -> Iterator[None]:
+    """Runs the block on one ISA (tests, benchmarks); not for concurrent steps."""
+    previous = _ops().set_isa(name)
+    try:
+        yield
+    finally:
+        _ops().set_isa(previous)

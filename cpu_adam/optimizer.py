@@ -1,0 +1,187 @@
+"""CPUAdam: torch.optim.Optimizer over the fused, vectorized CPU kernel."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from . import ops
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # torch built without distributed
+    DTensor = ()  # type: ignore[assignment,misc]
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+_GROUP_SEED_SPREAD = 0x9E3779B97F4A7C15
+
+
+def _local(t: Tensor) -> Tensor:
+    """The tensor the kernel updates: a DTensor's local shard, else the tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class CPUAdam(torch.optim.Optimizer):
+    """Adam / AdamW for CPU parameters, one fused vectorized pass per step.
+
+    Math in float32, in ``torch.optim.AdamW``'s order, for float32 or bfloat16
+    params and grads (a grad may differ in dtype from its param). Param groups
+    hold torch's key ``decoupled_weight_decay`` for the mode, so state dicts load
+    both ways between this optimizer and ``torch.optim.AdamW`` / ``Adam``.
+
+    Args:
+        adamw_mode: decoupled weight decay (AdamW); False adds ``weight_decay * p``
+            to the grad (Adam with L2).
+        bias_correction: divide the moments by ``1 - beta**step``.
+        amsgrad: not supported; True raises.
+        fp32_optimizer_states: keep ``exp_avg`` and ``exp_avg_sq`` in float32;
+            False keeps them in bfloat16 whatever the params' dtype (half the bytes).
+        stochastic_rounding: round bfloat16 param stores stochastically, so that
+            updates below half a bfloat16 ulp still move weights on average.
+            float32 params ignore it.
+        seed: the stochastic rounding stream; by default drawn from torch's
+            generator at construction. Saved in the state dict.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        *,
+        adamw_mode: bool = True,
+        bias_correction: bool = True,
+        amsgrad: bool = False,
+        fp32_optimizer_states: bool = True,
+        stochastic_rounding: bool = False,
+        seed: int | None = None,
+    ) -> None:
+        if amsgrad:
+            raise ValueError(
+                "CPUAdam does not implement amsgrad; use torch.optim.AdamW(amsgrad=True) for it, or drop amsgrad=True"
+            )
+        _check_hyper_parameters(float(lr), betas, eps, weight_decay)
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,)).item())
+        defaults = {
+            "lr": lr,
+            "betas": betas,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "decoupled_weight_decay": adamw_mode,
+            "bias_correction": bias_correction,
+            "amsgrad": False,
+            "maximize": False,
+            "fp32_optimizer_states": fp32_optimizer_states,
+            "stochastic_rounding": stochastic_rounding,
+            "seed": seed,
+        }
+        super().__init__(params, defaults)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        # Groups loaded from torch.optim.Adam/AdamW lack our keys.
+        for group in self.param_groups:
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for index, group in enumerate(self.param_groups):
+            self._step_group(index, group)
+        return loss
+
+    def _step_group(self, index: int, group: dict[str, Any]) -> None:
+        if group.get("amsgrad") or group.get("maximize"):
+            raise ValueError("CPUAdam supports neither amsgrad nor maximize; set them False in the param group")
+        # Params whose step counts differ (added later, or without grads on some
+        # steps) need their own bias corrections: one kernel call per count.
+        by_step: dict[int, list[Tensor]] = defaultdict(list)
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self._state_for(p, group)
+            state["step"] += 1
+            by_step[int(state["step"].item())].append(p)
+        beta1, beta2 = group["betas"]
+        seed = (group["seed"] + _GROUP_SEED_SPREAD * index) % 2**63
+        for step, params in by_step.items():
+            states = [self.state[p] for p in params]
+            ops.adam_step(
+                [_local(p) for p in params],
+                [_local(p.grad) for p in params],
+                [_local(s["exp_avg"]) for s in states],
+                [_local(s["exp_avg_sq"]) for s in states],
+                step=step,
+                lr=float(group["lr"]),
+                beta1=float(beta1),
+                beta2=float(beta2),
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+                adamw_mode=group["decoupled_weight_decay"],
+                bias_correction=group["bias_correction"],
+                stochastic_rounding=group["stochastic_rounding"],
+                seed=seed,
+            )
+
+    def _state_for(self, p: Tensor, group: dict[str, Any]) -> dict[str, Any]:
+        state = self.state[p]
+        if not state:
+            dtype = _state_dtype(group)
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            for key in MOMENTS:
+                state[key] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads this optimizer's or torch Adam/AdamW's state dict.
+
+        Hyper-parameters come from the state dict, as in torch; the moments keep
+        the dtype this optimizer was built with (``fp32_optimizer_states``),
+        converted directly from what was saved. (torch's own load would cast them
+        to the param dtype first, losing float32 moments of bfloat16 params.)
+        """
+        keep_fp32_states = [g["fp32_optimizer_states"] for g in self.param_groups]
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        moments = {
+            i: {k: v for k, v in s.items() if k in MOMENTS} for i, s in state_dict["state"].items() if i in saved_ids
+        }
+        without_moments = {
+            "state": {i: {k: v for k, v in s.items() if k not in MOMENTS} for i, s in state_dict["state"].items()},
+            "param_groups": state_dict["param_groups"],
+        }
+        super().load_state_dict(without_moments)
+        for group, fp32 in zip(self.param_groups, keep_fp32_states):
+            group["fp32_optimizer_states"] = fp32
+        group_of = {id(p): g for g in self.param_groups for p in g["params"]}
+        for saved_id, p in zip(saved_ids, params):
+            dtype = _state_dtype(group_of[id(p)])
+            for key, value in moments.get(saved_id, {}).items():
+                self.state[p][key] = value.to(device=p.device, dtype=dtype, copy=True)
+
+
+def _state_dtype(group: dict[str, Any]) -> torch.dtype:
+    return torch.float32 if group["fp32_optimizer_states"] else torch.bfloat16
+
+
+def _check_hyper_parameters(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+    if not (lr >= 0 and math.isfinite(lr)):
+        raise ValueError(f"CPUAdam: lr must be a finite number >= 0, got {lr}")
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"CPUAdam: betas must be two numbers in [0, 1), got {betas}")
+    if not eps >= 0:
+        raise ValueError(f"CPUAdam: eps must be >= 0, got {eps}")
+    if not weight_decay >= 0:
+        raise ValueError(f"CPUAdam: weight_decay must be >= 0, got {weight_decay}")

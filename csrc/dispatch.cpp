@@ -1,0 +1,71 @@
+#include "dispatch.h"
+
+#include <atomic>
+#include <cstdlib>
+#include <stdexcept>
+
+#include "cpu_features.h"
+
+namespace cpu_adam {
+namespace {
+
+bool always() { return true; }
+#if defined(__x86_64__) || defined(_M_X64)
+bool has_avx2() { return cpu_features().avx2; }
+bool has_avx512() { return cpu_features().avx512; }
+bool has_avx512_bf16() { return cpu_features().avx512_bf16; }
+#endif
+
+const Isa& find_supported(const std::string& name) {
+  std::string known;
+  for (const Isa& isa : compiled_isas()) {
+    if (name == isa.name) {
+      if (!isa.supported()) {
+        throw std::runtime_error("cpu_adam: ISA '" + name +
+                                 "' is compiled in but this CPU does not support it; unset CPU_ADAM_ISA or "
+                                 "pick one listed by `python -m cpu_adam.info`");
+      }
+      return isa;
+    }
+    known += known.empty() ? isa.name : std::string(", ") + isa.name;
+  }
+  throw std::runtime_error("cpu_adam: unknown ISA '" + name + "'; this build has: " + known);
+}
+
+const Isa& choose_default() {
+  if (const char* forced = std::getenv("CPU_ADAM_ISA"); forced && *forced) return find_supported(forced);
+  for (const Isa& isa : compiled_isas()) {
+    if (isa.supported()) return isa;
+  }
+  return compiled_isas().back();
+}
+
+std::atomic<const Isa*>& active_slot() {
+  static std::atomic<const Isa*> slot{&choose_default()};
+  return slot;
+}
+
+}  // namespace
+
+const std::vector<Isa>& compiled_isas() {
+  static const std::vector<Isa> table = {
+#if defined(CPU_ADAM_HAS_AVX512_BF16)
+      {"avx512_bf16", adam_avx512_bf16, has_avx512_bf16},
+#endif
+#if defined(__x86_64__) || defined(_M_X64)
+      {"avx512", adam_avx512, has_avx512},
+      {"avx2", adam_avx2, has_avx2},
+#endif
+      {"scalar", adam_scalar, always},
+  };
+  return table;
+}
+
+const Isa& active_isa() { return *active_slot().load(); }
+
+std::string set_active_isa(const std::string& name) {
+  const Isa* previous = active_slot().exchange(&find_supported(name));
+  return previous->name;
+}
+
+}  // namespace cpu_adam

@@ -1,0 +1,174 @@
+// The one Adam loop, written once against a small vector-ops interface and
+// compiled by every ISA file under its own target pragma.
+//
+// Everything here has internal linkage (anonymous namespace): each ISA file gets
+// its own copy compiled for its own target, so the linker can never hand the
+// AVX-512 copy of a helper to the scalar kernel.
+//
+// Bitwise equality across ISAs rests on: the same operation order for every
+// lane, no FMA contraction (-ffp-contract=off), correctly rounded sqrt and div,
+// and the scalar ops below handling the tails.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "adam_kernel.h"
+
+namespace cpu_adam {
+namespace {
+
+inline uint32_t float_bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  return u;
+}
+
+inline float bits_float(uint32_t u) {
+  float x;
+  std::memcpy(&x, &u, sizeof x);
+  return x;
+}
+
+// Counter-based random bits: a multiply to spread the counter, the key, then
+// the lowbias32 finalizer. Cheap in every ISA (two shifts, two multiplies).
+constexpr uint32_t kCounterSpread = 0x9E3779B1u;
+constexpr uint32_t kMix1 = 0x7FEB352Du;
+constexpr uint32_t kMix2 = 0x846CA68Bu;
+
+constexpr uint32_t kBf16QuietBit = 0x40u;
+constexpr uint32_t kF32AbsMask = 0x7FFFFFFFu;
+constexpr uint32_t kF32Inf = 0x7F800000u;
+
+// Width-1 ops: the scalar kernel, and the tails of the vector kernels.
+struct ScalarOps {
+  using F = float;
+  using U = uint32_t;
+  using H = uint32_t;  // bf16 bits, in whatever form the ISA stores fastest
+  static constexpr int kWidth = 1;
+
+  static F set1(float x) { return x; }
+  static F load(const float* p) { return *p; }
+  static F load(const uint16_t* p) { return bits_float(uint32_t{*p} << 16); }
+  static void store(float* p, F x) { *p = x; }
+  static void store16(uint16_t* p, H bits) { *p = static_cast<uint16_t>(bits); }
+  static F add(F a, F b) { return a + b; }
+  static F sub(F a, F b) { return a - b; }
+  static F mul(F a, F b) { return a * b; }
+  static F div(F a, F b) { return a / b; }
+  static F sqrt(F a) { return std::sqrt(a); }
+
+  static H bf16_nearest(F x) {
+    const uint32_t u = float_bits(x);
+    if ((u & kF32AbsMask) > kF32Inf) return (u >> 16) | kBf16QuietBit;
+    return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  }
+  // Rounds away from zero with probability equal to the discarded fraction.
+  static H bf16_stochastic(F x, U random) {
+    const uint32_t u = float_bits(x);
+    if ((u & kF32AbsMask) > kF32Inf) return (u >> 16) | kBf16QuietBit;
+    return (u + (random >> 16)) >> 16;
+  }
+  static U random(uint32_t first_counter, uint32_t key) {
+    uint32_t x = first_counter * kCounterSpread + key;
+    x ^= x >> 16;
+    x *= kMix1;
+    x ^= x >> 15;
+    x *= kMix2;
+    x ^= x >> 16;
+    return x;
+  }
+};
+
+template <class T>
+constexpr bool is_bf16 = sizeof(T) == 2;
+
+template <class V, class P, class G, class S, bool kProbe>
+inline void update(int64_t i, const Segment& s, const Hyper& h) {
+  using F = typename V::F;
+  using H = typename V::H;
+  P* param = static_cast<P*>(s.param) + i;
+  S* exp_avg = static_cast<S*>(s.exp_avg) + i;
+  S* exp_avg_sq = static_cast<S*>(s.exp_avg_sq) + i;
+
+  F g = V::load(static_cast<const G*>(s.grad) + i);
+  F p = V::load(param);
+  F m = V::load(exp_avg);
+  F v = V::load(exp_avg_sq);
+  if (kProbe) {
+    p = V::add(p, g);
+    m = V::add(m, g);
+    v = V::add(v, g);
+  } else {
+    g = V::mul(g, V::set1(h.grad_scale));
+    if (h.l2 != 0.0f) g = V::add(g, V::mul(p, V::set1(h.l2)));
+    p = V::mul(p, V::set1(h.decay));
+    m = V::add(m, V::mul(V::sub(g, m), V::set1(h.one_minus_beta1)));
+    v = V::add(V::mul(v, V::set1(h.beta2)), V::mul(V::mul(V::set1(h.one_minus_beta2), g), g));
+    const F denom = V::add(V::mul(V::sqrt(v), V::set1(h.inv_bc2_sqrt)), V::set1(h.eps));
+    p = V::sub(p, V::mul(V::set1(h.step_size), V::div(m, denom)));
+  }
+
+  if constexpr (is_bf16<S>) {
+    V::store16(exp_avg, V::bf16_nearest(m));
+    V::store16(exp_avg_sq, V::bf16_nearest(v));
+  } else {
+    V::store(exp_avg, m);
+    V::store(exp_avg_sq, v);
+  }
+  // The output may alias a bf16 grad: the grad was loaded above.
+  if constexpr (is_bf16<P>) {
+    const H bits = h.stochastic_rounding
+                       ? V::bf16_stochastic(p, V::random(s.first_counter + static_cast<uint32_t>(i), s.rng_key))
+                       : V::bf16_nearest(p);
+    V::store16(param, bits);
+    if (s.bf16_out) V::store16(s.bf16_out + i, bits);
+  } else {
+    V::store(param, p);
+    if (s.bf16_out) V::store16(s.bf16_out + i, V::bf16_nearest(p));
+  }
+}
+
+template <class V, class P, class G, class S, bool kProbe>
+void run_segment(const Segment& s, const Hyper& h) {
+  int64_t i = 0;
+  for (; i + V::kWidth <= s.n; i += V::kWidth) update<V, P, G, S, kProbe>(i, s, h);
+  for (; i < s.n; ++i) update<ScalarOps, P, G, S, kProbe>(i, s, h);
+}
+
+template <class V, bool kProbe>
+void run_layout(const Segment& s, Layout l, const Hyper& h) {
+  using B = uint16_t;
+  const int code = (l.param == DType::bf16) << 2 | (l.grad == DType::bf16) << 1 | (l.state == DType::bf16);
+  switch (code) {
+    case 0:
+      return run_segment<V, float, float, float, kProbe>(s, h);
+    case 1:
+      return run_segment<V, float, float, B, kProbe>(s, h);
+    case 2:
+      return run_segment<V, float, B, float, kProbe>(s, h);
+    case 3:
+      return run_segment<V, float, B, B, kProbe>(s, h);
+    case 4:
+      return run_segment<V, B, float, float, kProbe>(s, h);
+    case 5:
+      return run_segment<V, B, float, B, kProbe>(s, h);
+    case 6:
+      return run_segment<V, B, B, float, kProbe>(s, h);
+    default:
+      return run_segment<V, B, B, B, kProbe>(s, h);
+  }
+}
+
+template <class V>
+void run(const Segment& s, Layout l, const Hyper& h) {
+  if (h.probe) {
+    run_layout<V, true>(s, l, h);
+  } else {
+    run_layout<V, false>(s, l, h);
+  }
+}
+
+}  // namespace
+}  // namespace cpu_adam

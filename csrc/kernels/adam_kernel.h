@@ -1,0 +1,59 @@
+// The contract between ops.cpp and the per-ISA kernels. Torch-free on purpose:
+// the ISA files compile fast and cannot pick up torch's inline code under a
+// foreign target pragma.
+#pragma once
+
+#include <cstdint>
+
+namespace cpu_adam {
+
+enum class DType : uint8_t { f32, bf16 };
+
+// One contiguous run of elements of one (param, grad, exp_avg, exp_avg_sq[, out])
+// tuple. Pointers are already offset to the run's first element.
+struct Segment {
+  void* param;
+  const void* grad;
+  void* exp_avg;
+  void* exp_avg_sq;
+  uint16_t* bf16_out;  // nullptr: no output copy
+  int64_t n;
+  uint32_t first_counter;  // counter of element 0 for stochastic rounding
+  uint32_t rng_key;        // (seed, step, tensor, high counter bits) hashed
+};
+
+struct Layout {
+  DType param;
+  DType grad;
+  DType state;
+};
+
+// Scalars already folded the way torch folds them in double precision; the
+// kernels only cast them to float.
+struct Hyper {
+  float step_size;     // lr / bias_correction1
+  float inv_bc2_sqrt;  // 1 / sqrt(bias_correction2)
+  float eps;
+  float decay;  // 1 - lr * weight_decay (AdamW), else 1
+  float l2;     // weight_decay (Adam L2 mode), else 0
+  float grad_scale;
+  float one_minus_beta1;
+  float beta2;
+  float one_minus_beta2;
+  bool stochastic_rounding;  // bf16 param stores only
+  bool probe;                // trivial math, same bytes: the bandwidth roofline
+};
+
+using KernelFn = void (*)(const Segment&, Layout, const Hyper&);
+
+void adam_scalar(const Segment&, Layout, const Hyper&);
+#if defined(__x86_64__) || defined(_M_X64)
+void adam_avx2(const Segment&, Layout, const Hyper&);
+void adam_avx512(const Segment&, Layout, const Hyper&);
+#if (defined(__GNUC__) && __GNUC__ >= 10) || (defined(__clang__) && __clang_major__ >= 9)
+#define CPU_ADAM_HAS_AVX512_BF16 1
+void adam_avx512_bf16(const Segment&, Layout, const Hyper&);
+#endif
+#endif
+
+}  // namespace cpu_adam

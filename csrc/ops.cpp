@@ -1,0 +1,274 @@
+// The torch-facing side: schema, argument checks, the parallel split, and the
+// call into the kernel chosen by dispatch.cpp.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <Python.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cpu_features.h"
+#include "dispatch.h"
+
+namespace cpu_adam {
+namespace {
+
+using at::Tensor;
+
+// 4096 elements is a whole number of cache lines for both dtypes; threads split
+// the work on these blocks, so no cache line is written by two threads.
+constexpr int64_t kBlock = 4096;
+// Below about 32K elements per thread, waking a second thread costs more than it saves.
+constexpr int64_t kGrainBlocks = 8;
+
+DType dtype_of(const Tensor& t, const char* role, size_t i) {
+  if (t.scalar_type() == at::kFloat) return DType::f32;
+  if (t.scalar_type() == at::kBFloat16) return DType::bf16;
+  TORCH_CHECK(false, "cpu_adam: ", role, "[", i, "] has dtype ", t.scalar_type(),
+              "; only float32 and bfloat16 are supported: convert it with .float() or .bfloat16()");
+}
+
+struct Span {
+  uintptr_t begin, end;
+  size_t tuple;
+  const char* role;
+  bool written;
+};
+
+Span span_of(const Tensor& t, size_t tuple, const char* role, bool written) {
+  int64_t last = 0;
+  for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * std::abs(t.stride(d));
+  const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
+  return {begin, begin + static_cast<uintptr_t>((last + 1) * t.element_size()), tuple, role, written};
+}
+
+bool is_grad_reused_as_output(const Span& a, const Span& b) {
+  const bool pair = (a.role[0] == 'g' && b.role[0] == 'b') || (a.role[0] == 'b' && b.role[0] == 'g');
+  return pair && a.tuple == b.tuple && a.begin == b.begin && a.end == b.end;
+}
+
+// Overlapping memory between tensors the kernel writes would race or corrupt.
+// The one overlap allowed: a bf16 output that is exactly its own tuple's grad.
+void check_no_aliasing(std::vector<Span> spans) {
+  std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return a.begin < b.begin; });
+  std::vector<const Span*> open;
+  for (const Span& s : spans) {
+    open.erase(std::remove_if(open.begin(), open.end(), [&](const Span* o) { return o->end <= s.begin; }), open.end());
+    for (const Span* o : open) {
+      if (!(o->written || s.written) || is_grad_reused_as_output(*o, s)) continue;
+      TORCH_CHECK(false, "cpu_adam: ", o->role, "[", o->tuple, "] and ", s.role, "[", s.tuple,
+                  "] share memory; every param, exp_avg, exp_avg_sq and output needs its own storage "
+                  "(only a bf16 output may be the very same tensor as its own grad). Pass each tensor "
+                  "once, and .clone() tensors that are views of each other");
+    }
+    open.push_back(&s);
+  }
+}
+
+struct Tuple {
+  Tensor param, grad, exp_avg, exp_avg_sq, out;  // contiguous (staged copies where needed)
+  Layout layout;
+};
+
+std::vector<Tuple> prepare(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+                           const std::vector<Tensor>& exp_avgs, const std::vector<Tensor>& exp_avg_sqs,
+                           const std::vector<Tensor>& outs) {
+  const size_t n = params.size();
+  TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n,
+              "cpu_adam: params, grads, exp_avgs and exp_avg_sqs must have the same length, got ", n, ", ",
+              grads.size(), ", ", exp_avgs.size(), ", ", exp_avg_sqs.size());
+  TORCH_CHECK(outs.empty() || outs.size() == n, "cpu_adam: bf16_outs must be empty or have one tensor per param, got ",
+              outs.size(), " for ", n, " params");
+  std::vector<Tuple> tuples(n);
+  std::vector<Span> spans;
+  for (size_t i = 0; i < n; ++i) {
+    const Tensor* all[] = {&params[i], &grads[i], &exp_avgs[i], &exp_avg_sqs[i], outs.empty() ? nullptr : &outs[i]};
+    const char* roles[] = {"params", "grads", "exp_avgs", "exp_avg_sqs", "bf16_outs"};
+    for (int r = 0; r < 5; ++r) {
+      if (!all[r]) continue;
+      const Tensor& t = *all[r];
+      TORCH_CHECK(t.device().is_cpu() && t.layout() == at::kStrided, "cpu_adam: ", roles[r], "[", i, "] is a ",
+                  t.device(), " ", t.layout(), " tensor; the kernel updates dense CPU tensors only");
+      TORCH_CHECK(t.numel() == params[i].numel(), "cpu_adam: ", roles[r], "[", i, "] has ", t.numel(),
+                  " elements but params[", i, "] has ", params[i].numel(), "; each tuple must match in size");
+      if (t.numel() > 0) spans.push_back(span_of(t, i, roles[r], r != 1));
+    }
+    Tuple& tu = tuples[i];
+    tu.layout = {dtype_of(params[i], "params", i), dtype_of(grads[i], "grads", i),
+                 dtype_of(exp_avgs[i], "exp_avgs", i)};
+    TORCH_CHECK(exp_avg_sqs[i].scalar_type() == exp_avgs[i].scalar_type(), "cpu_adam: exp_avgs[", i, "] is ",
+                exp_avgs[i].scalar_type(), " but exp_avg_sqs[", i, "] is ", exp_avg_sqs[i].scalar_type(),
+                "; keep both moments in one dtype");
+    if (!outs.empty()) {
+      TORCH_CHECK(outs[i].scalar_type() == at::kBFloat16, "cpu_adam: bf16_outs[", i, "] has dtype ",
+                  outs[i].scalar_type(), "; the output copy is always bfloat16");
+      tu.out = outs[i].contiguous();
+    }
+    tu.param = params[i].contiguous();
+    tu.grad = grads[i].contiguous();
+    tu.exp_avg = exp_avgs[i].contiguous();
+    tu.exp_avg_sq = exp_avg_sqs[i].contiguous();
+  }
+  check_no_aliasing(std::move(spans));
+  return tuples;
+}
+
+// Non-contiguous inputs were updated in contiguous copies: write them back.
+void write_back(const std::vector<Tensor>& params, const std::vector<Tensor>& exp_avgs,
+                const std::vector<Tensor>& exp_avg_sqs, const std::vector<Tensor>& outs,
+                const std::vector<Tuple>& tuples) {
+  for (size_t i = 0; i < tuples.size(); ++i) {
+    const Tuple& tu = tuples[i];
+    if (!params[i].is_same(tu.param)) params[i].copy_(tu.param);
+    if (!exp_avgs[i].is_same(tu.exp_avg)) exp_avgs[i].copy_(tu.exp_avg);
+    if (!exp_avg_sqs[i].is_same(tu.exp_avg_sq)) exp_avg_sqs[i].copy_(tu.exp_avg_sq);
+    if (!outs.empty() && !outs[i].is_same(tu.out)) outs[i].copy_(tu.out);
+  }
+}
+
+uint64_t mix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+uint32_t rng_key(int64_t seed, int64_t step, size_t tensor, int64_t high_counter) {
+  uint64_t k = mix64(static_cast<uint64_t>(seed));
+  k = mix64(k ^ static_cast<uint64_t>(step));
+  k = mix64(k ^ tensor);
+  return static_cast<uint32_t>(mix64(k ^ static_cast<uint64_t>(high_counter)));
+}
+
+void warn_if_single_threaded() {
+  if (at::get_num_threads() == 1 && std::thread::hardware_concurrency() > 1) {
+    TORCH_WARN_ONCE("cpu_adam: the optimizer step runs on 1 thread while this machine has ",
+                    std::thread::hardware_concurrency(),
+                    " cores (torchrun sets OMP_NUM_THREADS=1). Call torch.set_num_threads(n) or set "
+                    "OMP_NUM_THREADS to the cores meant for this process.");
+  }
+}
+
+void run_all(std::vector<Tuple>& tuples, const Hyper& h, int64_t seed, int64_t step) {
+  const KernelFn kernel = active_isa().kernel;
+  std::vector<int64_t> block_start(tuples.size() + 1, 0);
+  for (size_t i = 0; i < tuples.size(); ++i) {
+    block_start[i + 1] = block_start[i] + (tuples[i].param.numel() + kBlock - 1) / kBlock;
+  }
+  auto run_elements = [&](size_t i, int64_t begin, int64_t end) {
+    const Tuple& tu = tuples[i];
+    while (begin < end) {
+      // Counters are 32 bits: split where the high bits change and fold those into the key.
+      const int64_t high = begin >> 32;
+      const int64_t stop = std::min(end, (high + 1) << 32);
+      Segment s;
+      s.param = static_cast<char*>(tu.param.data_ptr()) + begin * tu.param.element_size();
+      s.grad = static_cast<const char*>(tu.grad.const_data_ptr()) + begin * tu.grad.element_size();
+      s.exp_avg = static_cast<char*>(tu.exp_avg.data_ptr()) + begin * tu.exp_avg.element_size();
+      s.exp_avg_sq = static_cast<char*>(tu.exp_avg_sq.data_ptr()) + begin * tu.exp_avg_sq.element_size();
+      s.bf16_out = tu.out.defined() ? static_cast<uint16_t*>(tu.out.data_ptr()) + begin : nullptr;
+      s.n = stop - begin;
+      s.first_counter = static_cast<uint32_t>(begin);
+      s.rng_key = h.stochastic_rounding ? rng_key(seed, step, i, high) : 0;
+      kernel(s, tu.layout, h);
+      begin = stop;
+    }
+  };
+  at::parallel_for(0, block_start.back(), kGrainBlocks, [&](int64_t b0, int64_t b1) {
+    size_t i = std::upper_bound(block_start.begin(), block_start.end(), b0) - block_start.begin() - 1;
+    for (int64_t b = b0; b < b1;) {
+      while (block_start[i + 1] <= b) ++i;
+      const int64_t b_end = std::min(b1, block_start[i + 1]);
+      const int64_t numel = tuples[i].param.numel();
+      run_elements(i, (b - block_start[i]) * kBlock, std::min(numel, (b_end - block_start[i]) * kBlock));
+      b = b_end;
+    }
+  });
+}
+
+void launch(const std::vector<Tensor>& params, const std::vector<Tensor>& grads, const std::vector<Tensor>& exp_avgs,
+            const std::vector<Tensor>& exp_avg_sqs, const std::vector<Tensor>& outs, const Hyper& h, int64_t seed,
+            int64_t step) {
+  std::vector<Tuple> tuples = prepare(params, grads, exp_avgs, exp_avg_sqs, outs);
+  warn_if_single_threaded();
+  run_all(tuples, h, seed, step);
+  write_back(params, exp_avgs, exp_avg_sqs, outs, tuples);
+}
+
+void adam_step(const std::vector<Tensor>& params, const std::vector<Tensor>& grads, const std::vector<Tensor>& exp_avgs,
+               const std::vector<Tensor>& exp_avg_sqs, const std::vector<Tensor>& bf16_outs, double lr, double beta1,
+               double beta2, double eps, double weight_decay, bool adamw_mode, double bias_correction1,
+               double bias_correction2, double grad_scale, bool stochastic_rounding, int64_t seed, int64_t step) {
+  TORCH_CHECK(bias_correction1 > 0 && bias_correction2 > 0, "cpu_adam: bias corrections must be > 0, got ",
+              bias_correction1, " and ", bias_correction2, "; compute them as 1 - beta**step with step >= 1");
+  // Folded in double, as torch folds them in Python, then rounded once to float.
+  Hyper h;
+  h.step_size = static_cast<float>(lr / bias_correction1);
+  h.inv_bc2_sqrt = static_cast<float>(1.0 / std::sqrt(bias_correction2));
+  h.eps = static_cast<float>(eps);
+  h.decay = static_cast<float>(adamw_mode ? 1.0 - lr * weight_decay : 1.0);
+  h.l2 = static_cast<float>(adamw_mode ? 0.0 : weight_decay);
+  h.grad_scale = static_cast<float>(grad_scale);
+  h.one_minus_beta1 = static_cast<float>(1.0 - beta1);
+  h.beta2 = static_cast<float>(beta2);
+  h.one_minus_beta2 = static_cast<float>(1.0 - beta2);
+  h.stochastic_rounding = stochastic_rounding;
+  h.probe = false;
+  launch(params, grads, exp_avgs, exp_avg_sqs, bf16_outs, h, seed, step);
+}
+
+void bandwidth_probe(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+                     const std::vector<Tensor>& exp_avgs, const std::vector<Tensor>& exp_avg_sqs,
+                     const std::vector<Tensor>& bf16_outs) {
+  Hyper h{};
+  h.probe = true;
+  launch(params, grads, exp_avgs, exp_avg_sqs, bf16_outs, h, 0, 0);
+}
+
+std::vector<std::string> isa_names(bool only_supported) {
+  std::vector<std::string> names;
+  for (const Isa& isa : compiled_isas()) {
+    if (!only_supported || isa.supported()) names.emplace_back(isa.name);
+  }
+  return names;
+}
+
+std::vector<std::string> compiled_isa_names() { return isa_names(false); }
+std::vector<std::string> supported_isa_names() { return isa_names(true); }
+std::string active_isa_name() { return active_isa().name; }
+std::string set_isa(const std::string& name) { return set_active_isa(name); }
+
+}  // namespace
+
+TORCH_LIBRARY(cpu_adam, m) {
+  m.def(
+      "adam_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+      "Tensor(d!)[] bf16_outs, float lr, float beta1, float beta2, float eps, float weight_decay, "
+      "bool adamw_mode, float bias_correction1, float bias_correction2, float grad_scale, "
+      "bool stochastic_rounding, int seed, int step) -> ()");
+  m.def(
+      "bandwidth_probe_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+      "Tensor(d!)[] bf16_outs) -> ()");
+  m.def("compiled_isas() -> str[]", &compiled_isa_names);
+  m.def("supported_isas() -> str[]", &supported_isa_names);
+  m.def("active_isa() -> str", &active_isa_name);
+  m.def("set_isa(str name) -> str", &set_isa);
+}
+
+TORCH_LIBRARY_IMPL(cpu_adam, CPU, m) {
+  m.impl("adam_step_", &adam_step);
+  m.impl("bandwidth_probe_", &bandwidth_probe);
+}
+
+}  // namespace cpu_adam
+
+// Lets the ahead-of-time build be imported as the Python module cpu_adam._C;
+// importing it runs the registrations above.
+extern "C" PyMODINIT_FUNC PyInit__C(void) {
+  static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module);
+}
