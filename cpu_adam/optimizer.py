@@ -158,8 +158,13 @@ class CPUAdam(torch.optim.Optimizer):
         moments = {
             i: {k: v for k, v in s.items() if k in MOMENTS} for i, s in state_dict["state"].items() if i in saved_ids
         }
+        # Steps are cloned: torch's load keeps the saved step tensors, which a live
+        # optimizer that produced them would go on incrementing in place.
         without_moments = {
-            "state": {i: {k: v for k, v in s.items() if k not in MOMENTS} for i, s in state_dict["state"].items()},
+            "state": {
+                i: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items() if k not in MOMENTS}
+                for i, s in state_dict["state"].items()
+            },
             "param_groups": state_dict["param_groups"],
         }
         super().load_state_dict(without_moments)

@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "cpu_features.h"
@@ -144,15 +143,6 @@ uint32_t rng_key(int64_t seed, int64_t step, size_t tensor, int64_t high_counter
   return static_cast<uint32_t>(mix64(k ^ static_cast<uint64_t>(high_counter)));
 }
 
-void warn_if_single_threaded() {
-  if (at::get_num_threads() == 1 && std::thread::hardware_concurrency() > 1) {
-    TORCH_WARN_ONCE("cpu_adam: the optimizer step runs on 1 thread while this machine has ",
-                    std::thread::hardware_concurrency(),
-                    " cores (torchrun sets OMP_NUM_THREADS=1). Call torch.set_num_threads(n) or set "
-                    "OMP_NUM_THREADS to the cores meant for this process.");
-  }
-}
-
 void run_all(std::vector<Tuple>& tuples, const Hyper& h, int64_t seed, int64_t step) {
   const KernelFn kernel = active_isa().kernel;
   std::vector<int64_t> block_start(tuples.size() + 1, 0);
@@ -194,7 +184,6 @@ void launch(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
             const std::vector<Tensor>& exp_avg_sqs, const std::vector<Tensor>& outs, const Hyper& h, int64_t seed,
             int64_t step) {
   std::vector<Tuple> tuples = prepare(params, grads, exp_avgs, exp_avg_sqs, outs);
-  warn_if_single_threaded();
   run_all(tuples, h, seed, step);
   write_back(params, exp_avgs, exp_avg_sqs, outs, tuples);
 }

@@ -1,0 +1,51 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cpu_adam import ops
+
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
+# (param, grad, state) dtype names: every combination the kernel accepts.
+LAYOUTS = [(p, g, s) for p in DTYPES for g in DTYPES for s in DTYPES]
+FP32_UNIT_ROUNDOFF = 2.0**-24
+
+
+def vector_isas() -> list[str]:
+    return [name for name in ops.supported_isas() if name != "scalar"]
+
+
+@pytest.fixture(params=ops.supported_isas())
+def isa(request: pytest.FixtureRequest):
+    with ops.force_isa(request.param):
+        yield request.param
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits of a float32 or bfloat16 tensor, as integers."""
+    return t.view(torch.int32 if t.dtype == torch.float32 else torch.int16)
+
+
+def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> None:
+    """Bitwise equal, except that a NaN only has to be a NaN (payloads may differ)."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    both_nan = actual.isnan() & expected.isnan()
+    differ = (bits(actual) != bits(expected)) & ~both_nan
+    if differ.any():
+        i = int(differ.nonzero()[0, 0])
+        flat_a, flat_e = actual.reshape(-1), expected.reshape(-1)
+        raise AssertionError(
+            f"{what}: {int(differ.sum())} of {actual.numel()} elements differ; first at {i}: "
+            f"{flat_a[i].item()!r} vs {flat_e[i].item()!r}"
+        )
+
+
+def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many representable values of a's dtype lie between a and b."""
+
+    def ordered(t: torch.Tensor) -> torch.Tensor:
+        i = bits(t).to(torch.int64)
+        sign_bit = 1 << (8 * t.element_size() - 1)
+        return torch.where(i < 0, -(i + sign_bit), i)
+
+    return (ordered(a) - ordered(b)).abs()

@@ -1,0 +1,296 @@
+"""The adam_step op: every ISA bitwise equal to scalar, scalar within a derived
+bound of a float64 Adam, bf16 rounding equal to torch's, and its errors."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import pytest
+import torch
+from conftest import DTYPES, FP32_UNIT_ROUNDOFF, LAYOUTS, assert_same_bits, vector_isas
+
+from cpu_adam import ops
+from cpu_adam.reference import adam_reference
+
+# Around every vector width (8, 16) and tail, the 4096-element thread block, and
+# one size that spans both threads (the kernel splits from 32K elements up).
+SIZES = [0, 1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 1000, 4097, 100003]
+HYPER = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8}
+
+
+def make_tuple(n: int, layout: tuple[str, str, str], seed: int) -> list[torch.Tensor]:
+    """param, grad, exp_avg, exp_avg_sq with magnitudes over many binades."""
+    g = torch.Generator().manual_seed(seed)
+    p_dtype, g_dtype, s_dtype = (DTYPES[k] for k in layout)
+    scale = torch.exp2(torch.randint(-20, 4, (n,), generator=g).float())
+    param = torch.randn(n, generator=g).to(p_dtype)
+    grad = (torch.randn(n, generator=g) * scale).to(g_dtype)
+    exp_avg = (torch.randn(n, generator=g) * scale * 0.1).to(s_dtype)
+    exp_avg_sq = (torch.randn(n, generator=g) * scale).square().to(s_dtype)
+    return [param, grad, exp_avg, exp_avg_sq]
+
+
+def run_step(isa: str, tensors: list[torch.Tensor], with_out: bool, **kwargs) -> list[torch.Tensor]:
+    param, grad, exp_avg, exp_avg_sq = (t.clone() for t in tensors)
+    out = [torch.full_like(param, float("nan"), dtype=torch.bfloat16)] if with_out else None
+    with ops.force_isa(isa):
+        ops.adam_step([param], [grad], [exp_avg], [exp_avg_sq], bf16_outs=out, **kwargs)
+    return [param, exp_avg, exp_avg_sq] + (out or [])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids="-".join)
+@pytest.mark.parametrize("vector_isa", vector_isas())
+def test_every_isa_matches_scalar_bitwise(vector_isa: str, layout: tuple[str, str, str]) -> None:
+    variants = [
+        {"step": 1, "weight_decay": 0.0, "adamw_mode": True, "with_out": False},
+        {"step": 3, "weight_decay": 0.1, "adamw_mode": True, "with_out": True, "grad_scale": 0.37},
+        {"step": 7, "weight_decay": 0.1, "adamw_mode": False, "with_out": True, "bias_correction": False},
+        {"step": 2, "weight_decay": 0.0, "adamw_mode": True, "with_out": True, "stochastic_rounding": True, "seed": 9},
+    ]
+    for n in SIZES:
+        tensors = make_tuple(n, layout, seed=n)
+        for v in variants:
+            kwargs = {**HYPER, **v}
+            with_out = kwargs.pop("with_out")
+            expected = run_step("scalar", tensors, with_out, **kwargs)
+            actual = run_step(vector_isa, tensors, with_out, **kwargs)
+            for name, a, e in zip(("param", "exp_avg", "exp_avg_sq", "out"), actual, expected):
+                assert_same_bits(a, e, f"{vector_isa} n={n} {v} {name}")
+
+
+def bound_fp32_step(p, g, m, v, *, lr, beta1, beta2, eps, step):
+    """Per-element bound on |float32 kernel - float64 Adam| for one AdamW step.
+
+    Every float32 operation, and every rounding of a constant to float32, adds at
+    most one unit roundoff u relative to its result; summing them along the
+    chain (magnitudes taken from the float64 run) gives the bound.
+    """
+    u = FP32_UNIT_ROUNDOFF
+    p64, m64, v64 = adam_reference(p, g, m, v, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps)
+    g, m = g.double(), m.double()
+    err_m = 4 * u * (m.abs() + g.abs())  # g - m, * (1 - beta1) and its constant, + m
+    rel_v = 5 * u  # beta2, (1 - beta2), three products and a sum, all of one sign
+    denom = v64.sqrt() / (1 - beta2**step) ** 0.5 + eps
+    rel_denom = rel_v / 2 + 4 * u  # sqrt, the 1/sqrt(bc2) constant and product, + eps
+    step_size = lr / (1 - beta1**step)
+    update = step_size * m64 / denom
+    err_update = update.abs() * (rel_denom + 3 * u) + step_size * err_m / denom
+    err_p = p.double().abs() * 2 * u + p64.abs() * u + err_update
+    return (p64, m64, v64), (err_p, err_m + m64.abs() * u, v64 * (rel_v + u))
+
+
+@pytest.mark.parametrize("step", [1, 10, 1000])
+def test_scalar_within_derived_bound_of_float64(step: int) -> None:
+    n = 100003
+    tensors = make_tuple(n, ("f32", "f32", "f32"), seed=step)
+    hyper = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8}
+    actual = run_step("scalar", tensors, False, step=step, **hyper)
+    expected, bounds = bound_fp32_step(*tensors, step=step, **hyper)
+    for name, a, e, b in zip(("param", "exp_avg", "exp_avg_sq"), actual, expected, bounds):
+        err = (a.double() - e).abs()
+        assert (err <= b).all(), f"{name}: worst excess {(err - b).max().item():.3g}"
+        # The bound is not vacuous: float32 rounding error is visible against it.
+        assert err.max() > 0
+
+
+@pytest.mark.parametrize("adamw_mode", [True, False])
+@pytest.mark.parametrize("bias_correction", [True, False])
+def test_modes_follow_reference(adamw_mode: bool, bias_correction: bool) -> None:
+    tensors = make_tuple(4097, ("f32", "f32", "f32"), seed=1)
+    hyper = {"lr": 1e-2, "beta1": 0.8, "beta2": 0.99, "eps": 1e-6, "weight_decay": 0.5, "step": 4}
+    flags = {"adamw_mode": adamw_mode, "bias_correction": bias_correction}
+    actual = run_step("scalar", tensors, False, **hyper, **flags)
+    expected = adam_reference(*tensors, **hyper, **flags)
+    for a, e in zip(actual, expected):
+        torch.testing.assert_close(a.double(), e, rtol=1e-5, atol=1e-7)
+    # The modes are really different: the other mode misses by far more.
+    other = adam_reference(*tensors, **hyper, adamw_mode=not adamw_mode, bias_correction=bias_correction)
+    assert (other[0] - actual[0].double()).abs().max() > 1e-5
+
+
+@pytest.mark.parametrize("grad_dtype", ["f32", "bf16"])
+def test_grad_scale_equals_prescaled_grads(isa: str, grad_dtype: str) -> None:
+    param, grad, exp_avg, exp_avg_sq = make_tuple(1000, ("f32", grad_dtype, "f32"), seed=3)
+    scale = 0.123
+    kwargs = {**HYPER, "step": 2}
+    folded = run_step(isa, [param, grad, exp_avg, exp_avg_sq], False, grad_scale=scale, **kwargs)
+    prescaled = run_step(isa, [param, grad.float() * scale, exp_avg, exp_avg_sq], False, **kwargs)
+    for a, e in zip(folded, prescaled):
+        assert_same_bits(a, e, "grad_scale")
+
+
+def special_float32_values() -> torch.Tensor:
+    """Random bit patterns over the whole range, plus denormals, ties, infinities, NaNs."""
+    g = torch.Generator().manual_seed(0)
+    random_bits = torch.randint(-(2**31), 2**31 - 1, (50000,), generator=g, dtype=torch.int64)
+    upper = torch.randint(0, 2**16, (4000,), generator=g, dtype=torch.int64) << 16
+    ties = upper | 0x8000  # exactly halfway: even and odd bf16 neighbours
+    near_ties = torch.cat([upper | 0x7FFF, upper | 0x8001])
+    denormals = torch.randint(1, 2**23, (4000,), generator=g, dtype=torch.int64)
+    edges = torch.tensor([0, 2**31, 0x7F800000, 0xFF800000, 0x7F7FFFFF, 0x7F7F8000, 0x7F7F7FFF, 0x00008000, 1])
+    nans = torch.tensor([0x7FC00000, 0x7F800001, 0xFFC00001, 0x7FFFFFFF])
+    all_bits = torch.cat([random_bits, ties, near_ties, denormals, denormals | 2**31, edges, nans])
+    all_bits = torch.where(all_bits >= 2**31, all_bits - 2**32, all_bits)
+    return all_bits.to(torch.int32).view(torch.float32)
+
+
+def test_bf16_output_rounds_like_torch(isa: str) -> None:
+    values = special_float32_values()
+    param = values.clone()
+    zeros = torch.zeros_like(param)
+    out = torch.empty_like(param, dtype=torch.bfloat16)
+    # lr = 0 and zero moments leave the param as it is: the output is its rounding.
+    ops.adam_step(
+        [param],
+        [zeros],
+        [zeros.clone()],
+        [zeros.clone()],
+        bf16_outs=[out],
+        step=1,
+        lr=0.0,
+        beta1=0.9,
+        beta2=0.999,
+        eps=1e-8,
+    )
+    assert_same_bits(param, values, "param unchanged")
+    assert_same_bits(out, values.to(torch.bfloat16), f"{isa} bf16 rounding")
+    assert out[values.isnan()].isnan().all()
+
+
+def test_bf16_state_stores_round_like_torch(isa: str) -> None:
+    values = special_float32_values()
+    values = values[values.isfinite()]
+    exp_avg = torch.zeros_like(values, dtype=torch.bfloat16)
+    exp_avg_sq = torch.zeros_like(exp_avg)
+    # With beta1 = 0 the new exp_avg is 0 + (grad - 0) * 1: the grad, rounded once to bf16.
+    ops.adam_step(
+        [torch.zeros_like(values)], [values], [exp_avg], [exp_avg_sq], step=1, lr=0.0, beta1=0.0, beta2=0.999, eps=1e-8
+    )
+    assert_same_bits(exp_avg, values.to(torch.bfloat16), f"{isa} bf16 moment rounding")
+
+
+def test_output_may_alias_bf16_grad(isa: str) -> None:
+    param, grad, exp_avg, exp_avg_sq = make_tuple(4097, ("f32", "bf16", "f32"), seed=5)
+    separate_out = run_step(isa, [param, grad, exp_avg, exp_avg_sq], True, step=1, **HYPER)
+    p, m, v, buffer = (t.clone() for t in (param, exp_avg, exp_avg_sq, grad))
+    ops.adam_step([p], [buffer], [m], [v], bf16_outs=[buffer], step=1, **HYPER)
+    for a, e in zip((p, m, v, buffer), separate_out):
+        assert_same_bits(a, e, "aliased output")
+
+
+def test_list_of_tensors_equals_one_call_each(isa: str) -> None:
+    sizes = [0, 5, 4096, 4097, 70000, 33]
+    layouts = [("f32", "f32", "f32"), ("bf16", "bf16", "bf16"), ("f32", "bf16", "bf16")]
+    tuples = [make_tuple(n, layouts[i % 3], seed=i) for i, n in enumerate(sizes)]
+    one_by_one = [run_step(isa, t, True, step=5, **HYPER) for t in tuples]
+    batched = [[t.clone() for t in tu] for tu in tuples]
+    outs = [torch.empty_like(tu[0], dtype=torch.bfloat16) for tu in batched]
+    ops.adam_step(*(list(x) for x in zip(*batched)), bf16_outs=outs, step=5, **HYPER)
+    for (p, _, m, v), out, expected in zip(batched, outs, one_by_one):
+        for a, e in zip((p, m, v, out), expected):
+            assert_same_bits(a, e, "batched")
+
+
+@pytest.mark.parametrize("layout", [("f32", "f32", "f32"), ("bf16", "bf16", "bf16")], ids="-".join)
+def test_thread_count_does_not_change_bits(layout: tuple[str, str, str]) -> None:
+    tensors = make_tuple(3 * 32768 + 5, layout, seed=11)
+    kwargs = {**HYPER, "step": 3, "stochastic_rounding": True, "seed": 4}
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = run_step(ops.active_isa(), tensors, True, **kwargs)
+    finally:
+        torch.set_num_threads(threads)
+    multi = run_step(ops.active_isa(), tensors, True, **kwargs)
+    for a, e in zip(multi, single):
+        assert_same_bits(a, e, "threads")
+
+
+def test_single_thread_warns_once_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ops, "_warned_single_thread", False)
+    monkeypatch.setattr(ops.os, "cpu_count", lambda: 8)
+    threads = torch.get_num_threads()
+    tensors = [[small()] for _ in range(4)]
+    try:
+        torch.set_num_threads(1)
+        with pytest.warns(UserWarning, match="OMP_NUM_THREADS"):
+            ops.adam_step(*tensors, step=1, **HYPER)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            ops.adam_step(*tensors, step=1, **HYPER)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_non_contiguous_tensors_are_updated_in_place(isa: str) -> None:
+    base = make_tuple(64 * 50, ("f32", "f32", "f32"), seed=2)
+    expected = run_step(isa, [t.view(64, 50).t().contiguous() for t in base], True, step=2, **HYPER)
+    views = [t.clone().view(64, 50).t() for t in base]  # transposed: not contiguous
+    out = torch.empty(64, 50, dtype=torch.bfloat16).t()
+    ops.adam_step([views[0]], [views[1]], [views[2]], [views[3]], bf16_outs=[out], step=2, **HYPER)
+    assert not views[0].is_contiguous()
+    for a, e in zip((views[0], views[2], views[3], out), expected):
+        assert_same_bits(a.contiguous(), e, "non-contiguous")
+
+
+def test_gil_is_released_while_the_kernel_runs() -> None:
+    n = 1 << 24
+    tensors = [torch.randn(n), torch.randn(n), torch.zeros(n), torch.zeros(n)]
+    worker = threading.Thread(
+        target=lambda: [ops.adam_step(*([t] for t in tensors), step=1, **HYPER) for _ in range(5)]
+    )
+    ops.adam_step(*([t] for t in tensors), step=1, **HYPER)  # load first: compiling would hold the GIL
+    iterations = 0
+    worker.start()
+    while worker.is_alive():
+        iterations += 1
+    worker.join()
+    # Holding the GIL, a step of 16M elements would leave this loop almost no turns.
+    assert iterations > 10000
+
+
+# ---- errors: each names the problem and the fix ----
+
+
+def small(dtype=torch.float32, n=8):
+    return torch.zeros(n, dtype=dtype)
+
+
+@pytest.mark.parametrize(
+    ("tensors", "match"),
+    [
+        (lambda: [small(), small(torch.float16), small(), small()], "float32 and bfloat16"),
+        (lambda: [small(torch.float64), small(), small(), small()], "float32 and bfloat16"),
+        (lambda: [small(), small(n=9), small(), small()], "elements"),
+        (lambda: [small(), small(), small(), small(torch.bfloat16)], "one dtype"),
+        (lambda: [torch.zeros(8, device="meta"), small(), small(), small()], "CPU"),
+        (lambda: [small(), small().to_sparse(), small(), small()], "dense"),
+    ],
+)
+def test_bad_tensors_raise_clear_errors(tensors, match: str) -> None:
+    p, g, m, v = tensors()
+    with pytest.raises((RuntimeError, ValueError), match=match):
+        ops.adam_step([p], [g], [m], [v], step=1, **HYPER)
+
+
+def test_aliased_tensors_are_rejected() -> None:
+    p, g, m = small(), small(), small()
+    with pytest.raises(RuntimeError, match="share memory"):
+        ops.adam_step([p], [g], [m], [m], step=1, **HYPER)
+    with pytest.raises(RuntimeError, match="share memory"):
+        ops.adam_step([p, p], [g, g], [small(), small()], [small(), small()], step=1, **HYPER)
+    bf16_grad = small(torch.bfloat16, 16)
+    with pytest.raises(RuntimeError, match="share memory"):  # output overlapping half of its grad
+        ops.adam_step([small(n=8)], [bf16_grad[:8]], [small()], [small()], bf16_outs=[bf16_grad[4:12]], step=1, **HYPER)
+
+
+def test_bad_arguments_raise_clear_errors() -> None:
+    with pytest.raises(RuntimeError, match="same length"):
+        ops.adam_step([small()], [], [small()], [small()], step=1, **HYPER)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        ops.adam_step([small()], [small()], [small()], [small()], bf16_outs=[small()], step=1, **HYPER)
+    with pytest.raises(ValueError, match="step counts from 1"):
+        ops.adam_step([small()], [small()], [small()], [small()], step=0, **HYPER)
+    with pytest.raises(RuntimeError, match="unknown ISA"), ops.force_isa("sse9"):
+        pass
