@@ -131,7 +131,12 @@ inline void update(int64_t i, const Segment& s, const Hyper& h) {
 }
 
 template <class V, class P, class G, class S, bool kProbe>
-void run_segment(const Segment& s, const Hyper& h) {
+void run_segment(const Segment& segment, const Hyper& hyper) {
+  // Local copies: the compiler cannot prove that stores through the data
+  // pointers leave the caller's structs alone, and would reload every field
+  // (and re-test every flag) on every iteration.
+  const Segment s = segment;
+  const Hyper h = hyper;
   int64_t i = 0;
   for (; i + V::kWidth <= s.n; i += V::kWidth) update<V, P, G, S, kProbe>(i, s, h);
   for (; i < s.n; ++i) update<ScalarOps, P, G, S, kProbe>(i, s, h);
