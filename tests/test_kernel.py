@@ -163,11 +163,12 @@ def test_bf16_state_stores_round_like_torch(isa: str) -> None:
     values = values[values.isfinite()]
     exp_avg = torch.zeros_like(values, dtype=torch.bfloat16)
     exp_avg_sq = torch.zeros_like(exp_avg)
-    # With beta1 = 0 the new exp_avg is 0 + (grad - 0) * 1: the grad, rounded once to bf16.
+    # With beta1 = 0 the new exp_avg is 0 + (grad - 0) * 1: the grad (-0 turned +0 by the
+    # sum), rounded once to bf16.
     ops.adam_step(
         [torch.zeros_like(values)], [values], [exp_avg], [exp_avg_sq], step=1, lr=0.0, beta1=0.0, beta2=0.999, eps=1e-8
     )
-    assert_same_bits(exp_avg, values.to(torch.bfloat16), f"{isa} bf16 moment rounding")
+    assert_same_bits(exp_avg, (values + 0.0).to(torch.bfloat16), f"{isa} bf16 moment rounding")
 
 
 def test_output_may_alias_bf16_grad(isa: str) -> None:
