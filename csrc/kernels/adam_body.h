@@ -31,9 +31,10 @@ inline float bits_float(uint32_t u) {
   return x;
 }
 
-// Counter-based random bits: a multiply to spread the counter, the key, then
-// the lowbias32 finalizer. Cheap in every ISA (two shifts, two multiplies).
-constexpr uint32_t kCounterSpread = 0x9E3779B1u;
+// Counter-based random bits: the lowbias32 integer hash of counter + key
+// (three shift-xors, two multiplies in every ISA). The key, a 64-bit mix of
+// (seed, step, tensor), differs per step, so neighbouring counters of one step
+// and one counter over steps both get unrelated bits.
 constexpr uint32_t kMix1 = 0x7FEB352Du;
 constexpr uint32_t kMix2 = 0x846CA68Bu;
 
@@ -71,7 +72,7 @@ struct ScalarOps {
     return (u + (random >> 16)) >> 16;
   }
   static U random(uint32_t first_counter, uint32_t key) {
-    uint32_t x = first_counter * kCounterSpread + key;
+    uint32_t x = first_counter + key;
     x ^= x >> 16;
     x *= kMix1;
     x ^= x >> 15;

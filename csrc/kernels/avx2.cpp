@@ -53,7 +53,7 @@ struct Avx2Ops {
   }
   static U random(uint32_t first_counter, uint32_t key) {
     U x = _mm256_add_epi32(splat(first_counter), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    x = _mm256_add_epi32(_mm256_mullo_epi32(x, splat(kCounterSpread)), splat(key));
+    x = _mm256_add_epi32(x, splat(key));
     x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
     x = _mm256_mullo_epi32(x, splat(kMix1));
     x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));

@@ -46,7 +46,7 @@ struct Avx512Ops {
   static U random(uint32_t first_counter, uint32_t key) {
     const U lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     U x = _mm512_add_epi32(splat(first_counter), lanes);
-    x = _mm512_add_epi32(_mm512_mullo_epi32(x, splat(kCounterSpread)), splat(key));
+    x = _mm512_add_epi32(x, splat(key));
     x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
     x = _mm512_mullo_epi32(x, splat(kMix1));
     x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
