@@ -6,6 +6,7 @@ once, on the first optimizer step.
 
 __version__ = "0.1.0"
 
+from .offload import OffloadOptimizer
 from .optimizer import CPUAdam
 
-__all__ = ["CPUAdam", "__version__"]
+__all__ = ["CPUAdam", "OffloadOptimizer", "__version__"]

@@ -1,0 +1,254 @@
+"""End-to-end training steps of a small GPT with OffloadOptimizer, on CUDA if present else the CPU.
+
+Per step: forward+backward, grads down (the wait left after the compute stream finished),
+CPU step (norm + kernel chunks), weights up (the upload tail left after step() returned);
+host and device bytes per parameter from memory_stats() and from the process itself. The
+bare kernel (one adam_step over buffers of the same sizes and dtypes) runs interleaved with
+the optimizer's step, so both see the same memory-bandwidth weather; their ratio is the
+optimizer's overhead.
+
+    python benchmarks/bench_offload.py                 # ~1 minute on 2 CPU cores
+    python benchmarks/bench_offload.py --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cpu_adam.offload import OffloadOptimizer
+from cpu_adam.ops import adam_step
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.fc, self.out = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, c // self.heads).transpose(1, 3).unbind(2)
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
+        x = x + self.proj(attn)
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab: int, dim: int, layers: int, heads: int, seq: int) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, dim), nn.Embedding(seq, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def rss_bytes() -> int | None:
+    try:
+        import psutil
+
+        return psutil.Process().memory_info().rss
+    except ImportError:
+        pass
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return None
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    torch.manual_seed(0)
+    model = GPT(args.vocab, args.dim, args.layers, args.heads, args.seq).to(device=device, dtype=torch.bfloat16)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    rss_model = rss_bytes()
+    opt = OffloadOptimizer(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=3e-4,
+        betas=(0.9, 0.95),
+        max_grad_norm=1.0,
+        fp32_optimizer_states=not args.bf16_states,
+        master_weights_dtype=torch.bfloat16 if args.bf16_master else torch.float32,
+        stochastic_rounding=args.bf16_master,
+    )
+    rss_opt = rss_bytes()  # before any training: the host buffers, not activations or caches
+    stats = opt.memory_stats()
+    params = stats["params"]
+
+    # The bare kernel on buffers of the same sizes and dtypes as the optimizer's. Its speed
+    # depends on the data (real grads make subnormal moments, a slow path of the FPU), so on
+    # the CPU each round it gets a copy of the real grads; on CUDA they are gone by then.
+    groups = [g for g in opt._groups if g is not None]
+    bare = [
+        (
+            g.flat_shard.cpu().to(opt.master_weights_dtype),
+            torch.randn(g.layout.shard_numel).to(torch.bfloat16),
+            torch.zeros(g.layout.shard_numel, dtype=opt.state_dtype),
+            torch.zeros(g.layout.shard_numel, dtype=opt.state_dtype),
+            torch.zeros(g.layout.shard_numel, dtype=torch.bfloat16),
+        )
+        for g in groups
+    ]
+    real_grads = device.type == "cpu"
+
+    def bare_step(step: int, scale: float) -> None:
+        p, g, m, v, o = (list(t) for t in zip(*bare))
+        adam_step(
+            p,
+            g,
+            m,
+            v,
+            step=step,
+            lr=3e-4,
+            beta1=0.9,
+            beta2=0.95,
+            eps=1e-8,
+            weight_decay=0.1,
+            grad_scale=scale,
+            bf16_outs=o,
+            stochastic_rounding=opt.stochastic_rounding,
+            seed=step,
+        )
+
+    gen = torch.Generator().manual_seed(1)
+    phases: dict[str, list[float]] = {
+        k: [] for k in ("fwd_bwd", "grads_down", "cpu_step", "weights_up", "step", "bare")
+    }
+    device_peak = 0
+    for i in range(args.warmup + args.steps):
+        tokens = torch.randint(args.vocab, (args.batch, args.seq), generator=gen).to(device)
+        sync(device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        t0 = time.perf_counter()
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.float().reshape(-1, args.vocab), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()  # compute done; copies down may still run
+            device_peak = max(device_peak, torch.cuda.max_memory_allocated(device))
+        t1 = time.perf_counter()
+        scale = 1.0
+        if real_grads:  # and the same clipping scale: how small the moments get depends on it
+            for group, buffers in zip(groups, bare):
+                buffers[1].copy_(group.grads.tensor)
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(b[1].float()) for b in bare]))
+            scale = min(1.0, 1.0 / (float(norm) + 1e-6))
+            t1 = time.perf_counter()
+        # Whichever runs first after backward pays for its aftermath: alternate the order.
+        if i % 2:
+            tb = time.perf_counter()
+            bare_step(i + 1, scale)
+            bare_s = time.perf_counter() - tb
+            t1 += bare_s
+        opt.step()
+        t2 = time.perf_counter()
+        sync(device)  # the part of the upload that step() left running
+        t3 = time.perf_counter()
+        if not i % 2:
+            bare_step(i + 1, scale)
+            bare_s = time.perf_counter() - t3
+        if i >= args.warmup:
+            timings = opt.step_timings
+            phases["fwd_bwd"].append(t1 - t0)
+            phases["grads_down"].append(timings["grads_wait_s"])
+            phases["cpu_step"].append(timings["norm_s"] + timings["adam_s"])
+            phases["weights_up"].append(t3 - t2)
+            phases["step"].append(t2 - t1)
+            phases["bare"].append(bare_s)
+    median = {k: statistics.median(v) for k, v in phases.items()}
+    overhead = median["step"] / median["bare"] - 1.0
+    result = {
+        "device": str(device),
+        "torch_threads": torch.get_num_threads(),
+        "params": params,
+        "bare_kernel_grads": "real" if real_grads else "random",
+        "config": vars(args),
+        "median_s": median,
+        "step_overhead_vs_bare_kernel": overhead,
+        "host_bytes_per_param": stats["host_bytes_per_param"],
+        "host_bytes": stats["host_bytes"],
+        "rss_growth_per_param": None if rss_model is None else (rss_opt - rss_model) / params,
+        "device_buffer_peak_bytes_per_param": opt.memory_stats()["device_peak_bytes"] / params,
+        "weights_bytes_per_param": stats["weights_bytes"] / params,
+    }
+    if device.type == "cuda":
+        result["device_peak_beyond_weights_per_param"] = (device_peak - stats["weights_bytes"]) / params
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--seq", type=int, default=129)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--bf16-states", action="store_true", help="bf16 Adam states")
+    parser.add_argument("--bf16-master", action="store_true", help="bf16 master weights (stochastic rounding)")
+    parser.add_argument("--max-overhead", type=float, default=0.15, help="on the CPU: fail above this step overhead")
+    parser.add_argument("--json", metavar="PATH", help="also write the results here")
+    args = parser.parse_args()
+    result = run(args)
+
+    m = result["median_s"]
+    print(f"device {result['device']}, {result['params'] / 1e6:.1f}M params, {result['torch_threads']} threads")
+    print(f"{'phase':<28}{'median ms':>10}")
+    for key, label in (
+        ("fwd_bwd", "forward + backward"),
+        ("grads_down", "grads down (exposed wait)"),
+        ("cpu_step", "CPU step (norm + kernel)"),
+        ("weights_up", "weights up (exposed tail)"),
+        ("step", "step() total"),
+        ("bare", "bare adam_step, same sizes"),
+    ):
+        print(f"{label:<28}{m[key] * 1e3:>10.2f}")
+    overhead = result["step_overhead_vs_bare_kernel"]
+    print(f"step overhead over the bare kernel ({result['bare_kernel_grads']} grads): {overhead * 100:+.1f}%")
+    print(f"{'bytes per param':<28}{'':>10}")
+    for key in (
+        "host_bytes_per_param",
+        "rss_growth_per_param",
+        "weights_bytes_per_param",
+        "device_buffer_peak_bytes_per_param",
+        "device_peak_beyond_weights_per_param",
+    ):
+        if result.get(key) is not None:
+            print(f"{key:<40}{result[key]:>8.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    if result["device"] == "cpu" and result["step_overhead_vs_bare_kernel"] > args.max_overhead:
+        raise SystemExit(f"step overhead above {args.max_overhead:.0%}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,344 @@
+"""OffloadOptimizer on the CPU device: the same code path as on a GPU, with plain copies."""
+
+from __future__ import annotations
+
+import io
+import logging
+
+import pytest
+import torch
+from offload_helpers import (
+    MASTER_ATOL,
+    AdamWOracle,
+    GradTap,
+    assert_matches_oracle,
+    batches,
+    lm_loss,
+    make_model,
+)
+from torch import nn
+
+from cpu_adam import offload
+from cpu_adam.offload import OffloadOptimizer
+
+BUCKET = 1024  # elements: the tiny model spans several buckets, the embedding one alone
+HYPER = dict(lr=1e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
+
+
+def build(seed: int = 0, max_norm: float | None = None, **kwargs):
+    model = make_model(seed)
+    params = list(model.parameters())
+    tap = GradTap(params)
+    opt = OffloadOptimizer(params, **HYPER, max_grad_norm=max_norm, bucket_size=BUCKET, **kwargs)
+    oracle = AdamWOracle([{"params": params}], **HYPER)
+    return model, params, tap, opt, oracle
+
+
+def test_params_become_views_of_one_flat_buffer():
+    model, params, _, opt, _ = build()
+    flat = opt._groups[0].flat
+    lo, hi = flat.data_ptr(), flat.data_ptr() + flat.numel() * flat.element_size()
+    assert all(lo <= p.data_ptr() < hi for p in params)
+    assert len(opt._groups[0].layout.buckets) > 2
+    assert model.head.weight is model.emb.weight
+    assert opt.memory_stats()["params"] == sum(p.numel() for p in params)
+
+
+def test_parity_with_torch_adamw_over_24_steps():
+    model, params, tap, opt, oracle = build()
+    for tokens in batches(24):
+        lm_loss(model, tokens).backward()
+        assert all(p.grad is None for p in params), "the optimizer takes the grads during backward"
+        oracle.step(tap.take())
+        opt.step()
+        assert_matches_oracle(opt, params, oracle)
+
+
+def test_clipping_equals_clip_grad_norm():
+    max_norm = 0.05  # well below the tiny model's grad norms (about 1): every step is clipped
+    model, params, tap, opt, oracle = build(max_norm=max_norm)
+    unclipped = AdamWOracle([{"params": params}], **HYPER)
+    for tokens in batches(10):
+        lm_loss(model, tokens).backward()
+        grads = tap.take()
+        norm = oracle.step(grads, max_norm=max_norm)
+        unclipped.step(grads)
+        opt.step()
+        assert norm > 2 * max_norm
+        assert opt.last_grad_norm == pytest.approx(norm, rel=1e-5)
+        assert_matches_oracle(opt, params, oracle)
+    # The test can tell clipped from unclipped steps apart.
+    gap = max((oracle.master(p) - unclipped.master(p)).abs().max().item() for p in params)
+    assert gap > 100 * MASTER_ATOL
+
+
+def test_non_finite_grad_skips_the_step(caplog: pytest.LogCaptureFixture):
+    model, params, tap, opt, oracle = build(max_norm=1.0)
+    data = batches(4)
+    for tokens in data[:2]:
+        lm_loss(model, tokens).backward()
+        oracle.step(tap.take(), max_norm=1.0)
+        opt.step()
+    before = {k: v.clone() for k, v in opt.state_dict()["state"][0].items() if torch.is_tensor(v)}
+    weights = [p.detach().clone() for p in params]
+
+    (lm_loss(model, data[2]) * float("inf")).backward()
+    tap.take()
+    with caplog.at_level(logging.WARNING, logger="cpu_adam.offload"):
+        opt.step()
+    assert opt.skipped_steps == 1
+    assert "skipped" in caplog.text
+    after = opt.state_dict()["state"][0]
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert after["step"] == 2
+    assert all(torch.equal(w, p.detach()) for w, p in zip(weights, params))
+
+    # The next step is a normal one: bias correction continues from step 3.
+    lm_loss(model, data[3]).backward()
+    oracle.step(tap.take(), max_norm=1.0)
+    opt.step()
+    assert_matches_oracle(opt, params, oracle)
+
+
+def test_accumulation_equals_one_large_batch():
+    micro, steps = 4, 3
+    big_model, _, big_tap, big_opt, _ = build()
+    model, params, tap, opt, oracle = build()
+    for tokens in batches(steps, batch=8 * micro):
+        lm_loss(big_model, tokens).backward()
+        big_tap.take()
+        big_opt.step()
+        for chunk in tokens.chunk(micro):
+            (lm_loss(model, chunk) / micro).backward()
+        assert opt.memory_stats()["accumulator_bytes"] == 4 * opt._groups[0].layout.numel
+        grads = tap.take()  # the fp32 sum of the micro-batches' bf16 grads
+        oracle.step(grads)
+        opt.step()
+        assert opt.last_grad_norm == pytest.approx(
+            torch.cat([g.reshape(-1) for g in grads.values()]).norm().item(), rel=1e-5
+        )
+        # Exactly the sum of the micro-batch grads, in fp32:
+        assert_matches_oracle(opt, params, oracle)
+    # ... which is one large batch up to the bf16 rounding of each grad. Adam normalises the
+    # grads, so the rounding moves each update by ~2^-8 of lr; only grads that are themselves
+    # at rounding level can flip a sign. Using only the last micro-batch would move thousands.
+    close = far = total = 0
+    for mine, big in zip(opt.master_weights(), big_opt.master_weights()):
+        diff = (mine - big).abs()
+        close += int((diff <= steps * HYPER["lr"] * 2**-6).sum())
+        far += int((diff > 2 * steps * HYPER["lr"] + MASTER_ATOL).sum())
+        total += diff.numel()
+    assert far == 0
+    assert close >= 0.99 * total, f"only {close} of {total} masters agree with the large batch"
+
+
+def test_zero_grad_starts_a_new_window():
+    model, params, tap, opt, oracle = build()
+    data = batches(2)
+    lm_loss(model, data[0]).backward()
+    tap.take()
+    opt.zero_grad()
+    lm_loss(model, data[1]).backward()
+    oracle.step(tap.take())
+    opt.step()
+    assert opt.memory_stats()["accumulator_bytes"] == 0
+    assert_matches_oracle(opt, params, oracle)
+
+
+def test_groups_frozen_and_tied_params():
+    model = make_model()
+    model.ln1.requires_grad_(False)
+    frozen = [model.ln1.weight.detach().clone(), model.ln1.bias.detach().clone()]
+    decay = [model.fc1.weight, model.fc2.weight, model.emb.weight, model.head.weight]  # tied: listed twice
+    no_decay = [model.fc1.bias, model.fc2.bias, model.ln_f.weight, model.ln_f.bias, model.ln1.weight]
+    groups = [
+        {"params": decay, "weight_decay": 0.1, "lr": 2e-3, "betas": (0.8, 0.95)},
+        {"params": no_decay, "weight_decay": 0.0, "eps": 1e-6},
+    ]
+    trainable = [p for g in groups for p in dict.fromkeys(g["params"]) if p.requires_grad]
+    tap = GradTap(trainable)
+    opt = OffloadOptimizer(groups, **HYPER, bucket_size=BUCKET)
+    oracle = AdamWOracle(groups, **HYPER)
+    assert len(opt.master_weights()) == len(trainable) == 7
+    for tokens in batches(8):
+        lm_loss(model, tokens).backward()
+        oracle.step(tap.take())
+        opt.step()
+        assert_matches_oracle(opt, trainable, oracle)
+    assert torch.equal(model.ln1.weight, frozen[0]) and torch.equal(model.ln1.bias, frozen[1])
+    assert model.ln1.weight.grad is None
+
+
+def test_lr_scheduler_drives_the_learning_rate():
+    model, params, tap, opt, oracle = build()
+    schedule = lambda step: 1.0 / (1 + step)  # noqa: E731
+    ours = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    theirs = torch.optim.lr_scheduler.LambdaLR(oracle.opt, schedule)
+    for tokens in batches(6):
+        lm_loss(model, tokens).backward()
+        oracle.step(tap.take())
+        opt.step()
+        ours.step()
+        theirs.step()
+        assert_matches_oracle(opt, params, oracle)
+    assert opt.param_groups[0]["lr"] == pytest.approx(HYPER["lr"] / 7)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"fp32_optimizer_states": False, "master_weights_dtype": torch.bfloat16, "stochastic_rounding": True},
+    ],
+    ids=["fp32", "bf16-stochastic"],
+)
+def test_resume_is_bit_exact(options):
+    data = batches(8)
+
+    def run(model, opt, chunk):
+        for tokens in chunk:
+            lm_loss(model, tokens).backward()
+            opt.step()
+
+    straight = make_model(0)
+    straight_opt = OffloadOptimizer(straight.parameters(), **HYPER, max_grad_norm=0.5, bucket_size=BUCKET, **options)
+    run(straight, straight_opt, data)
+
+    first = make_model(0)
+    first_opt = OffloadOptimizer(first.parameters(), **HYPER, max_grad_norm=0.5, bucket_size=BUCKET, **options)
+    run(first, first_opt, data[:4])
+    buffer = io.BytesIO()
+    torch.save({"model": first.state_dict(), "opt": first_opt.state_dict()}, buffer)
+    buffer.seek(0)
+    checkpoint = torch.load(buffer)
+
+    resumed = make_model(seed=123)  # different init: everything must come from the checkpoint
+    resumed.load_state_dict(checkpoint["model"])
+    resumed_opt = OffloadOptimizer(resumed.parameters(), lr=0.5, bucket_size=BUCKET, **options)  # hypers: loaded
+    resumed_opt.load_state_dict(checkpoint["opt"])
+    assert resumed_opt.seed == straight_opt.seed
+    run(resumed, resumed_opt, data[4:])
+
+    for a, b in zip(straight.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
+    for a, b in zip(straight_opt.master_weights(), resumed_opt.master_weights()):
+        assert torch.equal(a, b)
+    s, r = straight_opt.state_dict(), resumed_opt.state_dict()
+    assert s["state"][0]["step"] == r["state"][0]["step"] == 8
+    assert torch.equal(s["state"][0]["exp_avg_sq"], r["state"][0]["exp_avg_sq"])
+
+
+def test_optimizer_state_alone_restores_the_weights():
+    model, _, _, opt, _ = build()
+    for tokens in batches(3):
+        lm_loss(model, tokens).backward()
+        opt.step()
+    fresh = make_model(seed=7)
+    fresh_opt = OffloadOptimizer(fresh.parameters(), **HYPER, bucket_size=BUCKET)
+    fresh_opt.load_state_dict(opt.state_dict())
+    for a, b in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_weights_loaded_after_construction_are_trained():
+    model, params, tap, opt, _ = build()
+    other = make_model(seed=5)
+    model.load_state_dict(other.state_dict())  # e.g. a model checkpoint restored after the optimizer
+    oracle = AdamWOracle([{"params": params}], **HYPER)
+    lm_loss(model, batches(1)[0]).backward()
+    oracle.step(tap.take())
+    opt.step()
+    assert_matches_oracle(opt, params, oracle)
+
+
+@pytest.mark.parametrize(
+    ("options", "per_param"),
+    [
+        ({}, 14),
+        ({"fp32_optimizer_states": False}, 10),
+        ({"fp32_optimizer_states": False, "master_weights_dtype": torch.bfloat16}, 8),
+    ],
+)
+def test_host_bytes_per_param(options, per_param):
+    model = nn.Linear(256, 256, bias=False).to(torch.bfloat16)  # aligned: no padding
+    opt = OffloadOptimizer(model.parameters(), **options)
+    stats = opt.memory_stats()
+    assert stats["host_bytes"] == per_param * 256 * 256
+    assert stats["host_bytes_per_param"] == per_param
+    assert stats["device_bytes"] == 0 and stats["accumulator_bytes"] == 0
+    assert stats["weights_bytes"] == 2 * 256 * 256
+
+
+def test_unused_params_get_zero_grads():
+    # A param with no grad in a window is stepped with a zero grad (its bucket still goes down),
+    # not with whatever the buffers held from the step before.
+    model, params, tap, opt, oracle = build()
+    first, second = batches(2)
+    lm_loss(model, first).backward()
+    oracle.step(tap.take())
+    opt.step()
+    model.fc1.bias.requires_grad_(False)  # left out of this backward's graph
+    loss = lm_loss(model, second)
+    model.fc1.bias.requires_grad_(True)
+    loss.backward()
+    grads = tap.take()
+    assert id(model.fc1.bias) not in grads
+    grads[id(model.fc1.bias)] = torch.zeros_like(model.fc1.bias, dtype=torch.float32)
+    oracle.step(grads)
+    opt.step()
+    assert_matches_oracle(opt, params, oracle)
+
+
+def test_rejects_params_that_are_not_bf16():
+    with pytest.raises(TypeError, match=r"model\.to\(torch\.bfloat16\)"):
+        OffloadOptimizer(nn.Linear(4, 4).parameters())
+
+
+def test_rejects_params_on_two_devices():
+    params = [
+        nn.Parameter(torch.zeros(4, dtype=torch.bfloat16)),
+        nn.Parameter(torch.zeros(4, dtype=torch.bfloat16, device="meta")),
+    ]
+    with pytest.raises(RuntimeError, match="several devices"):
+        OffloadOptimizer(params)
+
+
+def test_rejects_sparse_grads():
+    emb = nn.Embedding(10, 4, sparse=True).to(torch.bfloat16)
+    opt = OffloadOptimizer(emb.parameters())
+    with pytest.raises(RuntimeError, match="dense gradients"):
+        emb(torch.tensor([1, 2])).float().sum().backward()
+    assert opt.skipped_steps == 0
+
+
+def test_rejects_unsupported_options():
+    params = list(make_model().parameters())
+    with pytest.raises(NotImplementedError, match="process_group"):
+        OffloadOptimizer(params, process_group=object())
+    with pytest.raises(ValueError, match=r"master_weights_dtype=torch\.bfloat16"):
+        OffloadOptimizer(params, stochastic_rounding=True)
+    opt = OffloadOptimizer(params)
+    with pytest.raises(NotImplementedError, match="constructor"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))]})
+
+
+class _CopyingCPU(offload.DeviceOps):
+    """The CPU treated like a GPU: separate staging areas, copies down, weights uploaded."""
+
+    @property
+    def host_addressable(self) -> bool:
+        return False
+
+
+def test_the_copy_path_used_on_gpus(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(offload, "DeviceOps", _CopyingCPU)
+    model, params, tap, opt, oracle = build(max_norm=0.5)
+    for i, tokens in enumerate(batches(6)):
+        for chunk in tokens.chunk(2 if i % 2 else 1):  # with and without accumulation
+            lm_loss(model, chunk).backward()
+            assert opt.memory_stats()["device_bytes"] <= 3 * BUCKET * 2
+        oracle.step(tap.take(), max_norm=0.5)
+        opt.step()
+        assert_matches_oracle(opt, params, oracle)
+    stats = opt.memory_stats()
+    assert stats["device_bytes"] == 0 and 0 < stats["device_peak_bytes"] <= 3 * BUCKET * 2
