@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "cpu_features.h"
+#include "denormals.h"
 #include "dispatch.h"
 
 namespace cpu_adam {
@@ -169,6 +169,7 @@ void run_all(std::vector<Tuple>& tuples, const Hyper& h, int64_t seed, int64_t s
     }
   };
   at::parallel_for(0, block_start.back(), kGrainBlocks, [&](int64_t b0, int64_t b1) {
+    const ScopedFlushDenormals flush_denormals;
     size_t i = std::upper_bound(block_start.begin(), block_start.end(), b0) - block_start.begin() - 1;
     for (int64_t b = b0; b < b1;) {
       while (block_start[i + 1] <= b) ++i;

@@ -40,6 +40,12 @@ def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor, what: str = "
         )
 
 
+def flushed(t: torch.Tensor) -> torch.Tensor:
+    """t with denormals replaced by zeros of the same sign, as the kernel computes them."""
+    denormal = (t != 0) & (t.abs() < torch.finfo(t.dtype).tiny)
+    return torch.where(denormal, torch.zeros_like(t).copysign(t), t)
+
+
 def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """How many representable values of a's dtype lie between a and b."""
 

@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import DTYPES, FP32_UNIT_ROUNDOFF, LAYOUTS, assert_same_bits, vector_isas
+from conftest import DTYPES, FP32_UNIT_ROUNDOFF, LAYOUTS, assert_same_bits, flushed, vector_isas
 
 from cpu_adam import ops
 from cpu_adam.reference import adam_reference
@@ -153,8 +153,9 @@ def test_bf16_output_rounds_like_torch(isa: str) -> None:
         beta2=0.999,
         eps=1e-8,
     )
-    assert_same_bits(param, values, "param unchanged")
-    assert_same_bits(out, values.to(torch.bfloat16), f"{isa} bf16 rounding")
+    # Denormals are flushed to zero by the kernel's first multiply; all else stays.
+    assert_same_bits(param, flushed(values), "param unchanged")
+    assert_same_bits(out, flushed(values).to(torch.bfloat16), f"{isa} bf16 rounding")
     assert out[values.isnan()].isnan().all()
 
 
@@ -163,12 +164,22 @@ def test_bf16_state_stores_round_like_torch(isa: str) -> None:
     values = values[values.isfinite()]
     exp_avg = torch.zeros_like(values, dtype=torch.bfloat16)
     exp_avg_sq = torch.zeros_like(exp_avg)
-    # With beta1 = 0 the new exp_avg is 0 + (grad - 0) * 1: the grad (-0 turned +0 by the
-    # sum), rounded once to bf16.
+    # With beta1 = 0 the new exp_avg is 0 + (grad - 0) * 1: the grad (denormals flushed,
+    # -0 turned +0 by the sum), rounded once to bf16.
     ops.adam_step(
         [torch.zeros_like(values)], [values], [exp_avg], [exp_avg_sq], step=1, lr=0.0, beta1=0.0, beta2=0.999, eps=1e-8
     )
-    assert_same_bits(exp_avg, (values + 0.0).to(torch.bfloat16), f"{isa} bf16 moment rounding")
+    assert_same_bits(exp_avg, (flushed(values) + 0.0).to(torch.bfloat16), f"{isa} bf16 moment rounding")
+
+
+def test_denormal_results_are_flushed_and_the_caller_mode_restored() -> None:
+    tiny = torch.full((1000,), 1e-30)
+    param, exp_avg, exp_avg_sq = torch.ones(1000), torch.zeros(1000), torch.zeros(1000)
+    ops.adam_step([param], [tiny], [exp_avg], [exp_avg_sq], step=1, **HYPER)
+    # (1 - beta2) * g * g = 1e-63 underflows: flushed to zero rather than kept denormal.
+    assert (exp_avg_sq == 0).all() and (exp_avg > 0).all()
+    # The caller's own float math still keeps denormals.
+    assert (torch.full((4,), 1e-30) * 1e-10 > 0).all()
 
 
 def test_output_may_alias_bf16_grad(isa: str) -> None:
