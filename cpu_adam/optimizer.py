@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -12,18 +13,16 @@ from torch import Tensor
 
 from . import ops
 
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # torch built without distributed
-    DTensor = ()  # type: ignore[assignment,misc]
-
 MOMENTS = ("exp_avg", "exp_avg_sq")
 _GROUP_SEED_SPREAD = 0x9E3779B97F4A7C15
 
 
 def _local(t: Tensor) -> Tensor:
     """The tensor the kernel updates: a DTensor's local shard, else the tensor itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    # Importing torch.distributed.tensor costs most of a second; until someone has
+    # imported it, no DTensor can exist.
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return t.to_local() if dtensor is not None and isinstance(t, dtensor.DTensor) else t
 
 
 class CPUAdam(torch.optim.Optimizer):
