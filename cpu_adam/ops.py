@@ -6,8 +6,6 @@ at import.
 
 from __future__ import annotations
 
-import os
-import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -15,6 +13,7 @@ import torch
 from torch import Tensor
 
 from . import _build
+from ._threads import warn_if_single_threaded
 
 __all__ = [
     "active_isa",
@@ -27,7 +26,6 @@ __all__ = [
 
 
 _fakes_registered = False
-_warned_single_thread = False
 
 
 def _ops():
@@ -112,7 +110,7 @@ def adam_step(
         raise ValueError(f"cpu_adam: step counts from 1 (the step being taken), got {step}")
     outs = list(bf16_outs) if bf16_outs is not None else []
     _check_all(params, grads, exp_avgs, exp_avg_sqs, outs)
-    _warn_if_single_threaded()
+    warn_if_single_threaded()
     bias_correction1 = 1.0 - beta1**step if bias_correction else 1.0
     bias_correction2 = 1.0 - beta2**step if bias_correction else 1.0
     _ops().adam_step_(
@@ -134,19 +132,6 @@ def adam_step(
         seed,
         step,
     )
-
-
-def _warn_if_single_threaded() -> None:
-    global _warned_single_thread
-    cores = os.cpu_count() or 1
-    if not _warned_single_thread and torch.get_num_threads() == 1 and cores > 1:
-        _warned_single_thread = True
-        warnings.warn(
-            f"cpu_adam: the optimizer step runs on 1 thread while this machine has {cores} cores "
-            "(torchrun sets OMP_NUM_THREADS=1). Call torch.set_num_threads(n) or set OMP_NUM_THREADS "
-            "to the cores meant for this process.",
-            stacklevel=3,
-        )
 
 
 def bandwidth_probe(

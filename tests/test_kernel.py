@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import DTYPES, FP32_UNIT_ROUNDOFF, LAYOUTS, assert_same_bits, flushed, vector_isas
 
-from cpu_adam import ops
+from cpu_adam import _threads, ops
 from cpu_adam.reference import adam_reference
 
 # Around every vector width (8, 16) and tail, the 4096-element thread block, and
@@ -219,20 +219,28 @@ def test_thread_count_does_not_change_bits(layout: tuple[str, str, str]) -> None
         assert_same_bits(a, e, "threads")
 
 
-def test_single_thread_warns_once_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ops, "_warned_single_thread", False)
-    monkeypatch.setattr(ops.os, "cpu_count", lambda: 8)
+@pytest.mark.parametrize(("cores", "local_ranks", "warns"), [(8, "1", True), (8, "4", True), (8, "8", False)])
+def test_single_thread_warns_once_with_the_fix(
+    monkeypatch: pytest.MonkeyPatch, cores: int, local_ranks: str, warns: bool
+) -> None:
+    monkeypatch.setattr(_threads, "_warned", False)
+    monkeypatch.setattr(_threads, "usable_cores", lambda: cores)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", local_ranks)
     threads = torch.get_num_threads()
     tensors = [[small()] for _ in range(4)]
     try:
         torch.set_num_threads(1)
-        with pytest.warns(UserWarning, match="OMP_NUM_THREADS"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             ops.adam_step(*tensors, step=1, **HYPER)
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
             ops.adam_step(*tensors, step=1, **HYPER)
     finally:
         torch.set_num_threads(threads)
+    messages = [str(w.message) for w in caught if "1 thread" in str(w.message)]
+    if warns:
+        assert len(messages) == 1 and f"set_num_threads({cores // int(local_ranks)})" in messages[0]
+    else:
+        assert messages == []
 
 
 def test_non_contiguous_tensors_are_updated_in_place(isa: str) -> None:

@@ -1,0 +1,36 @@
+"""How many threads a step should use, and the warning when it gets fewer."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+_warned = False
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def cores_per_local_rank() -> int:
+    """This process's share of the cores when torchrun starts several on the machine."""
+    return max(1, usable_cores() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def warn_if_single_threaded() -> None:
+    """Warns once when the step runs on 1 thread but this process's share is larger."""
+    global _warned
+    share = cores_per_local_rank()
+    if not _warned and torch.get_num_threads() == 1 and share > 1:
+        _warned = True
+        warnings.warn(
+            f"cpu_adam: the optimizer step runs on 1 thread while this process's share of the cores is {share} "
+            "(torchrun sets OMP_NUM_THREADS=1). Call torch.set_num_threads("
+            f"{share}) or set OMP_NUM_THREADS={share}.",
+            stacklevel=3,
+        )
