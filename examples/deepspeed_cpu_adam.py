@@ -1,0 +1,86 @@
+"""DeepSpeed ZeRO-2 with the optimizer offloaded to the CPU, stepped by CPUAdam as the client optimizer.
+
+    torchrun --nproc-per-node 2 examples/deepspeed_cpu_adam.py --config examples/deepspeed_cpu_adam.json
+
+(`deepspeed --num_gpus 2 examples/deepspeed_cpu_adam.py ...` works as well on GPUs.) Without CUDA,
+DeepSpeed picks its CPU accelerator and gloo. With "offload_optimizer": {"device": "cpu"} each
+rank keeps one flat fp32 partition per param group in host memory; DeepSpeed fills its .grad and
+calls the client optimizer's step(), which is where CPUAdam runs. The config must allow a client
+optimizer with offload: "zero_force_ds_cpu_optimizer": false, "zero_allow_untested_optimizer": true.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+from torch import nn
+
+from cpu_adam import CPUAdam
+
+
+def use_this_ranks_cores() -> int:
+    """torchrun and the deepspeed launcher set OMP_NUM_THREADS=1, which leaves the CPU optimizer
+    step on one core. Give each local rank its share of the cores instead."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    torch.set_num_threads(threads)
+    return threads
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=os.path.join(os.path.dirname(__file__), "deepspeed_cpu_adam.json"))
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--bf16-states", action="store_true", help="keep Adam's moments in bfloat16 (half the bytes)")
+    parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher; unused")
+    args = parser.parse_args()
+
+    threads = use_this_ranks_cores()
+    import deepspeed  # after the thread setting: importing it probes the accelerator
+    from deepspeed.accelerator import get_accelerator
+
+    with open(args.config) as f:
+        config = json.load(f)
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    rank = torch.distributed.get_rank()
+
+    torch.manual_seed(0)
+    dim = args.dim
+    model = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim), nn.GELU(), nn.Linear(dim, 1))
+    # Decay the matrices only: one param group each, and DeepSpeed hands CPUAdam one flat
+    # fp32 partition per group.
+    matrices = [p for p in model.parameters() if p.dim() > 1]
+    others = [p for p in model.parameters() if p.dim() <= 1]
+    optimizer = CPUAdam(
+        [{"params": matrices, "weight_decay": 0.01}, {"params": others, "weight_decay": 0.0}],
+        lr=args.lr,
+        fp32_optimizer_states=not args.bf16_states,
+    )
+    engine, optimizer, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    if rank == 0:
+        print(
+            f"{engine.world_size} ranks on {get_accelerator().device_name()}, ZeRO stage "
+            f"{engine.zero_optimization_stage()}, {threads} CPU threads per rank for the optimizer step"
+        )
+
+    dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float32
+    teacher = torch.randn(dim, 1, generator=torch.Generator().manual_seed(1))
+    data = torch.Generator().manual_seed(100 + rank)  # each rank its own batches (data parallel)
+    for step in range(args.steps):
+        x = torch.randn(engine.train_micro_batch_size_per_gpu(), dim, generator=data)
+        y = torch.tanh(x @ teacher)
+        x, y = x.to(engine.device, dtype), y.to(engine.device)
+        loss = nn.functional.mse_loss(engine(x).float(), y)
+        engine.backward(loss)
+        engine.step()  # grads reduced into the host partitions, CPUAdam steps them, weights gathered
+        if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
+            print(f"step {step:4d}  loss {loss.item():.5f}")
+
+
+if __name__ == "__main__":
+    main()
