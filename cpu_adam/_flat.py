@@ -1,8 +1,15 @@
-"""Layout of one param group in a flat buffer: offsets, buckets, and the slice a rank owns.
+"""Layout of one param group in a flat buffer: offsets, buckets, and the pieces a rank owns.
 
 Each param starts on an ALIGN-element boundary (128 bytes in bf16, a cache line or two in
 every dtype the host buffers use), so the kernel's per-thread splits never share a line.
 Padding elements hold zero grads, so Adam keeps them at zero forever.
+
+With ZeRO over ``world_size`` ranks every bucket is padded to a multiple of ALIGN * world_size
+and split into ``world_size`` equal pieces; rank r owns piece r of every bucket. So a bucket's
+reduce-scatter and all-gather see equal, aligned sizes and can start as soon as that bucket is
+ready (a rank owning one contiguous 1/N of the group would need every bucket's grads before
+its first collective). The rank's host buffers are its pieces back to back: the piece of the
+bucket starting at flat offset s lies at host offset s / world_size.
 """
 
 from __future__ import annotations
@@ -34,54 +41,68 @@ class Bucket:
         return self.end - self.start
 
 
-class FlatLayout:
-    """Where each param of a group lives in the flat buffer, its buckets and this rank's shard.
+@dataclass(frozen=True)
+class Piece:
+    """This rank's part of a bucket: ``numel`` elements at ``flat`` in the flat buffer, ``host`` in its shard."""
 
-    The shard is ``[shard_offset, shard_offset + shard_numel)``: the part of the flat buffer
-    whose master weights and states this process holds and steps. With one process it is the
-    whole buffer; ZeRO partitioning gives rank r the r-th of ``world_size`` equal aligned slices.
+    flat: int
+    host: int
+    numel: int
+
+
+class FlatLayout:
+    """Where each param of a group lives in the flat buffer, its buckets and this rank's pieces.
+
+    With one process the single piece of each bucket is the whole bucket and the shard is the
+    whole buffer; that layout (``world_size=1``) is also the one full state dicts are stored in.
+    Bucket membership does not depend on ``world_size``, only the padding between buckets does.
     """
 
     def __init__(self, shapes: list[torch.Size], bucket_size: int, *, world_size: int = 1, rank: int = 0) -> None:
         if bucket_size < 1:
             raise ValueError(f"bucket_size must be positive, got {bucket_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside a world of {world_size}")
         self.shapes = shapes
         self.numels = [s.numel() for s in shapes]
+        self.world_size, self.rank = world_size, rank
         self.offsets: list[int] = []
+        self.buckets: list[Bucket] = []
         end = 0
-        for n in self.numels:
-            self.offsets.append(end)
-            end = _align_up(end + n, ALIGN)
-        self.numel = _align_up(max(end, 1), ALIGN * world_size)
+        spans = self._partition(bucket_size)
+        for b, (first, last) in enumerate(spans):
+            start = end
+            for i in range(first, last):
+                self.offsets.append(end)
+                end = _align_up(end + self.numels[i], ALIGN)
+            if b == len(spans) - 1:
+                end = max(end, 1)  # an all-empty group still gets one aligned block
+            end = _align_up(end, ALIGN * world_size)
+            self.buckets.append(Bucket(start, end, first, last))
+        self.numel = end
         self.shard_numel = self.numel // world_size
-        self.shard_offset = rank * self.shard_numel
-        self.buckets = self._partition(bucket_size)
+        self.pieces = [
+            Piece(b.start + rank * (b.numel // world_size), b.start // world_size, b.numel // world_size)
+            for b in self.buckets
+        ]
         self.bucket_of = [0] * len(shapes)
         for b, bucket in enumerate(self.buckets):
             for i in range(bucket.first, bucket.last):
                 self.bucket_of[i] = b
 
-    def _partition(self, bucket_size: int) -> list[Bucket]:
-        # Consecutive params up to bucket_size elements (a bigger param gets a bucket alone);
-        # buckets tile [0, numel) so that every element, padding included, goes down once.
-        count = len(self.numels)
-        ends = [*self.offsets[1:], self.numel]
-        buckets: list[Bucket] = []
-        first = 0
-        for i in range(1, count):
-            if ends[i] - self.offsets[first] > bucket_size:
-                buckets.append(Bucket(self.offsets[first], self.offsets[i], first, i))
-                first = i
-        buckets.append(Bucket(self.offsets[first], self.numel, first, count))
-        return buckets
+    def _partition(self, bucket_size: int) -> list[tuple[int, int]]:
+        # Consecutive params up to bucket_size elements (a bigger param gets a bucket alone),
+        # measured with ALIGN padding only, so every world size groups the params alike.
+        sizes = [_align_up(n, ALIGN) for n in self.numels]
+        spans: list[tuple[int, int]] = []
+        first, span = 0, sizes[0] if sizes else 0
+        for i in range(1, len(sizes)):
+            if span + sizes[i] > bucket_size:
+                spans.append((first, i))
+                first, span = i, 0
+            span += sizes[i]
+        spans.append((first, len(sizes)))
+        return spans
 
     def param_range(self, i: int) -> tuple[int, int]:
         return self.offsets[i], self.offsets[i] + self.numels[i]
-
-    def shard_part(self, start: int, end: int) -> tuple[int, int] | None:
-        """``[start, end)`` clipped to this rank's shard, in shard coordinates (None if disjoint)."""
-        lo = max(start, self.shard_offset)
-        hi = min(end, self.shard_offset + self.shard_numel)
-        if lo >= hi:
-            return None
-        return lo - self.shard_offset, hi - self.shard_offset

@@ -17,15 +17,17 @@ def usable_cores() -> int:
     return os.cpu_count() or 1
 
 
-def cores_per_local_rank() -> int:
-    """This process's share of the cores when torchrun starts several on the machine."""
-    return max(1, usable_cores() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+def cores_per_local_rank(default_local_ranks: int = 1) -> int:
+    """This process's share of the cores when torchrun starts several on the machine
+    (``LOCAL_WORLD_SIZE``; ``default_local_ranks`` where it is not set)."""
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", default_local_ranks))
+    return max(1, usable_cores() // max(1, local_ranks))
 
 
-def warn_if_single_threaded() -> None:
-    """Warns once when the step runs on 1 thread but this process's share is larger."""
+def warn_if_single_threaded(share: int | None = None) -> None:
+    """Warns once when the step runs on 1 thread but this process's share of the cores is larger."""
     global _warned
-    share = cores_per_local_rank()
+    share = cores_per_local_rank() if share is None else share
     if not _warned and torch.get_num_threads() == 1 and share > 1:
         _warned = True
         warnings.warn(

@@ -12,6 +12,12 @@ Data flow per step (``_device.py`` turns the copies and waits into no-ops on the
 
 Gradient accumulation sums the micro-batches' grads in an fp32 host accumulator, allocated
 when a second backward comes before a step (4 bytes per param, reported by ``memory_stats``).
+
+ZeRO (``process_group``): each rank owns piece ``rank`` of every bucket (``_flat.py``). Buckets
+are reduce-scattered on the device as they fill, each rank steps its pieces, and each updated
+piece goes up and is all-gathered into the flat weights on the side stream while the next
+piece computes. Grads are summed by the collectives; the kernel's ``grad_scale`` carries the
+1/N of the average (and the clipping), so averaging costs no pass. The grad norm is all-reduced.
 """
 
 from __future__ import annotations
@@ -25,8 +31,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ._collectives import ShardComm
 from ._device import DeviceOps
 from ._grads import GradCollector, GroupBuffers
+from .distributed import check_shard, check_threads, full_to_shard
 from .ops import adam_step
 
 __all__ = ["OffloadOptimizer"]
@@ -69,6 +77,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
     taken from the params during backward (``param.grad`` is None afterwards): clip with
     ``max_grad_norm``, read the norm from ``last_grad_norm``. Host bytes per param: 14 (fp32
     master and states), 10 (bf16 states), 8 (bf16 master and states), see ``memory_stats()``.
+
+    With ``process_group`` (a ``torch.distributed`` group, e.g. ``dist.group.WORLD``) the ranks
+    train one data-parallel model: grads are averaged over the ranks as DDP does, and each rank
+    keeps 1/N of the host state (host bytes per param divided by N). Every rank must build the
+    optimizer on the same model and call backward and ``step`` alike. ``state_dict()`` is then
+    this rank's shard: ``cpu_adam.distributed.consolidate_state_dict`` joins the shards into a
+    full state dict, which any number of ranks can load.
     """
 
     def __init__(
@@ -89,11 +104,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
         stochastic_rounding: bool = False,
         seed: int | None = None,
     ) -> None:
-        if process_group is not None:
-            raise NotImplementedError(
-                "cpu_adam.OffloadOptimizer: data parallel training (process_group) is not implemented yet; "
-                "pass process_group=None"
-            )
         if not lr >= 0.0:
             raise ValueError(f"invalid learning rate: {lr}")
         if not eps >= 0.0:
@@ -130,15 +140,36 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.last_grad_norm: float | None = None
         # Seconds the last step spent waiting for grads to come down, on the norm, on the kernel.
         self.step_timings: dict[str, float] = {}
-        self._chunk = bucket_size
+        self._chunk = self.bucket_size = bucket_size
 
         trainable = [[p for p in g["params"] if p.requires_grad] for g in self.param_groups]
         self._dev = DeviceOps(self._check_params(trainable))
+        # Before the params become views of the flat buffers, so a bad group leaves the model alone.
+        self._comm = None if process_group is None else ShardComm(process_group, self._dev.device)
+        self.world_size, self.rank = (1, 0) if self._comm is None else (self._comm.world_size, self._comm.rank)
+        if self._comm is not None:
+            check_threads(self.rank, self.world_size)
+            layout = [[tuple(p.shape) for p in ps] for ps in trainable]
+            self._comm.check_same(
+                "the parameters and options",
+                (layout, bucket_size, str(master_weights_dtype), str(self.state_dtype), stochastic_rounding),
+                "build the optimizer on the same model, param groups and options on every rank",
+            )
         self._groups = [
-            GroupBuffers(ps, self._dev, bucket_size, master_weights_dtype, self.state_dtype) if ps else None
+            GroupBuffers(
+                ps,
+                self._dev,
+                bucket_size,
+                master_weights_dtype,
+                self.state_dtype,
+                world_size=self.world_size,
+                rank=self.rank,
+            )
+            if ps
+            else None
             for ps in trainable
         ]
-        self._grads = GradCollector(self._dev, self._groups, max_inflight_buckets)
+        self._grads = GradCollector(self._dev, self._groups, max_inflight_buckets, self._comm)
 
     # -- construction -------------------------------------------------------------------------
 
@@ -181,13 +212,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._comm is not None:
+            self._comm.check_alive()  # also after a backward that failed on it
         if self._grads.micro == 0:
             return loss  # no grads: like torch's optimizers, leave every param as it is
         t0 = time.perf_counter()
         self._grads.wait_all()
         t1 = time.perf_counter()
         self._sync_masters()
-        norm = self._grads.norm()
+        norm = self._global_norm()
         self.last_grad_norm = norm
         t2 = time.perf_counter()
         if not math.isfinite(norm):
@@ -201,6 +234,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             scale = 1.0
             if self.max_grad_norm is not None:
                 scale = min(1.0, self.max_grad_norm / (norm + 1e-6))
+            scale /= self.world_size  # the collectives summed the ranks' grads: this makes it their mean
             with self._dev.side_stream():  # uploads wait for what the compute stream still does with the weights
                 for g, (options, group) in enumerate(zip(self.param_groups, self._groups)):
                     if group is not None:
@@ -211,16 +245,36 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.step_timings = {"grads_wait_s": t1 - t0, "norm_s": t2 - t1, "adam_s": time.perf_counter() - t2}
         return loss
 
+    def _global_norm(self) -> float:
+        """The norm of the grads averaged over the ranks (the plain grad norm with one process)."""
+        sq = self._grads.sq_norm()
+        if self._comm is None:
+            return math.sqrt(sq)
+        self._comm.check_same(
+            "the order of the grad buckets' reduce-scatters in this step",
+            self._grads.launch_order,
+            "their backward passes produced grads in different orders (e.g. a parameter used on some ranks only), "
+            "so the grads were reduced wrongly; every rank must run the same graph each step",
+        )
+        total = torch.tensor([sq], dtype=torch.float64, device=self._dev.device)
+        self._comm.all_reduce_sum(total)
+        return math.sqrt(float(total)) / self.world_size
+
     def _step_group(self, g: int, options: dict[str, Any], group: GroupBuffers, scale: float) -> None:
         grads = self._grads.grads_of(group)
-        outs = group.flat_shard if self._dev.host_addressable else group.grads.tensor
         beta1, beta2 = options["betas"]
         group.step += 1
-        n = group.layout.shard_numel
-        # Chunks let each upload overlap the next chunk's compute; with no upload, one call.
-        chunk = n if self._dev.host_addressable else self._chunk
-        for start in range(0, n, chunk):
-            c = slice(start, min(n, start + chunk))
+        if self._comm is None:
+            outs = group.flat if self._dev.host_addressable else group.grads.tensor
+            n = group.layout.shard_numel
+            # Chunks let each upload overlap the next chunk's compute; with no upload, one call.
+            chunk = n if self._dev.host_addressable else self._chunk
+            pieces = [(slice(start, min(n, start + chunk)), None) for start in range(0, n, chunk)]
+        else:
+            # Each bucket's piece is gathered as soon as it is computed, while the next one computes.
+            outs = group.grads.tensor
+            pieces = [(h, b) for b, (_, h) in enumerate(group.device_pieces()) if h.stop > h.start]
+        for c, b in pieces:
             adam_step(
                 [group.master[c]],
                 [grads[c]],
@@ -236,26 +290,51 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 grad_scale=scale,
                 bf16_outs=[outs[c]],
                 stochastic_rounding=self.stochastic_rounding,
-                seed=_chunk_seed(self.seed, g, start) if self.stochastic_rounding else 0,
+                seed=_chunk_seed(self.seed, g, c.start) if self.stochastic_rounding else 0,
             )
-            self._dev.copy(group.flat_shard[c], outs[c])
+            if b is None:
+                self._dev.copy(group.flat[c], outs[c])
+            else:
+                self._publish(group, b)
+
+    def _publish(self, group: GroupBuffers, b: int) -> None:
+        """Uploads this rank's new bf16 weights of bucket ``b`` (in the host buffer) and all-gathers the bucket.
+
+        Call on the side stream. On a GPU the piece goes up into its own place in the flat weights
+        and the all-gather runs in place (NCCL allows it when the input is the rank's slice of the
+        output); on the CPU the host buffer is the all-gather's input.
+        """
+        piece, bucket = group.layout.pieces[b], group.layout.buckets[b]
+        if bucket.numel == 0:
+            return
+        host = group.grads.tensor[piece.host : piece.host + piece.numel]
+        if not self._dev.host_addressable:
+            mine = group.flat[piece.flat : piece.flat + piece.numel]
+            self._dev.copy(mine, host)
+            host = mine
+        self._comm.all_gather(group.flat[bucket.start : bucket.end], host)
 
     def master_weights(self) -> list[Tensor]:
         """The host master weight of each trainable param (param_groups order, tied params once), as views."""
+        if self._comm is not None:
+            raise RuntimeError(
+                "cpu_adam.OffloadOptimizer.master_weights: with a process group each rank holds a shard of the "
+                "masters; gather the ranks' state_dict() and use cpu_adam.distributed.consolidate_state_dict"
+            )
         self._sync_masters()
         views = []
         for group in self._groups:
             if group is not None:
                 for i, shape in enumerate(group.layout.shapes):
                     lo, hi = group.layout.param_range(i)
-                    off = group.layout.shard_offset
-                    views.append(group.master[lo - off : hi - off].view(shape))
+                    views.append(group.master[lo:hi].view(shape))
         return views
 
     def _sync_masters(self) -> None:
         for group in self._groups:
             if group is not None and not group.master_synced:
-                group.master.copy_(group.flat_shard)
+                for weights, h in group.device_pieces():
+                    group.master[h].copy_(weights)
                 group.master_synced = True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -287,6 +366,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         host = master + states + pinned + accumulator
         return {
             "params": params,
+            "world_size": self.world_size,
+            "shard_elements": sum(g.layout.shard_numel for g in groups),  # this rank's, padding included
             "host_bytes": host,
             "host_bytes_per_param": host / params,
             "master_bytes": master,
@@ -301,6 +382,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """Masters, Adam states, step counts, hyper-parameters (max_grad_norm too), seed, skipped steps.
+
+        With a process group: this rank's shard of the masters and states, and under ``"zero"``
+        the rank, world size and bucket size that say how the shard was cut.
 
         Tensors are references to the live buffers (as with torch's optimizers): save or copy
         the dict before the next step.
@@ -323,7 +407,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             saved["params"] = list(range(index, index + len(options["params"])))
             index += len(options["params"])
             param_groups.append(saved)
-        return {
+        state_dict = {
             "format": STATE_DICT_FORMAT,
             "state": state,
             "param_groups": param_groups,
@@ -331,9 +415,17 @@ class OffloadOptimizer(torch.optim.Optimizer):
             "skipped_steps": self.skipped_steps,
             "max_grad_norm": self.max_grad_norm,
         }
+        if self._comm is not None:
+            state_dict["zero"] = {"rank": self.rank, "world_size": self.world_size, "bucket_size": self.bucket_size}
+        return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restores a ``state_dict()`` and sets the device weights from the loaded masters."""
+        """Restores a ``state_dict()`` and sets the device weights from the loaded masters.
+
+        Takes a full state dict (one process's, or consolidated from a ZeRO run) on any number
+        of ranks, each rank keeping its slice; or, with a process group, this rank's own shard.
+        With a process group every rank must call it (the weights are all-gathered).
+        """
         if state_dict.get("format") != STATE_DICT_FORMAT:
             raise ValueError(
                 f"cpu_adam.OffloadOptimizer.load_state_dict: not a {STATE_DICT_FORMAT} state dict "
@@ -350,6 +442,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 group is not None and [tuple(s) for s in saved["shapes"]] != [tuple(s) for s in group.layout.shapes]
             ):
                 raise ValueError(f"param group {g} of the state dict holds other parameters than this optimizer's")
+        zero = state_dict.get("zero")
+        if zero is not None:
+            check_shard(zero, self.rank, self.world_size, self.bucket_size)
+        if self._comm is not None:
+            self._comm.check_same(
+                "the kind of state dict loaded",
+                zero is None,
+                "every rank must load its own shard, or every rank the same full state dict",
+            )
         self._grads.wait_all()
         self._dev.synchronize()
         with torch.no_grad():
@@ -357,12 +458,19 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 if group is None:
                     continue
                 saved = state_dict["state"][g]
-                group.master.copy_(saved["master"])
-                group.exp_avg.copy_(saved["exp_avg"])
-                group.exp_avg_sq.copy_(saved["exp_avg_sq"])
+                for name in ("master", "exp_avg", "exp_avg_sq"):
+                    tensor = saved[name] if zero is not None else full_to_shard(saved[name], group.layout)
+                    getattr(group, name).copy_(tensor)
                 group.step = int(saved["step"])
                 group.master_synced = True
-                group.flat_shard.copy_(group.master)
+                if self._comm is None:
+                    group.flat.copy_(group.master)
+                else:
+                    group.grads.tensor.copy_(group.master)  # rounded to bf16 as the kernel rounds its outputs
+                    with self._dev.side_stream():
+                        for b in range(len(group.layout.buckets)):
+                            self._publish(group, b)
+                    self._dev.synchronize()  # before the host buffer receives grads again
         for options, saved in zip(self.param_groups, saved_groups):
             options.update({k: v for k, v in saved.items() if k != "params"})
         self.seed = int(state_dict["seed"])
