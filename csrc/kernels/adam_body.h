@@ -31,10 +31,11 @@ inline float bits_float(uint32_t u) {
   return x;
 }
 
-// Counter-based random bits: the lowbias32 integer hash of counter + key
-// (three shift-xors, two multiplies in every ISA). The key, a 64-bit mix of
-// (seed, step, tensor), differs per step, so neighbouring counters of one step
-// and one counter over steps both get unrelated bits.
+// Counter-based random bits: 16 per element, half of one lowbias32 hash of
+// (counter / 2 + key), so a vector of 16 elements costs 8 hashes. The key, a
+// 64-bit mix of (seed, step, tensor), differs per step, so neighbouring
+// counters of one step and one counter over steps both get unrelated bits.
+// Vector kernels hash pairs, so their first counter must be even (run_segment).
 constexpr uint32_t kMix1 = 0x7FEB352Du;
 constexpr uint32_t kMix2 = 0x846CA68Bu;
 
@@ -66,19 +67,21 @@ struct ScalarOps {
     return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
   }
   // Rounds away from zero with probability equal to the discarded fraction.
-  static H bf16_stochastic(F x, U random) {
+  static H bf16_stochastic(F x, U random16) {
     const uint32_t u = float_bits(x);
     if ((u & kF32AbsMask) > kF32Inf) return (u >> 16) | kBf16QuietBit;
-    return (u + (random >> 16)) >> 16;
+    return (u + random16) >> 16;
   }
-  static U random(uint32_t first_counter, uint32_t key) {
-    uint32_t x = first_counter + key;
+  static uint32_t hash(uint32_t x) {
     x ^= x >> 16;
     x *= kMix1;
     x ^= x >> 15;
     x *= kMix2;
     x ^= x >> 16;
     return x;
+  }
+  static U random16(uint32_t counter, uint32_t key) {
+    return (hash((counter >> 1) + key) >> (16 * (counter & 1))) & 0xFFFFu;
   }
 };
 
@@ -121,7 +124,7 @@ inline void update(int64_t i, const Segment& s, const Hyper& h) {
   // The output may alias a bf16 grad: the grad was loaded above.
   if constexpr (is_bf16<P>) {
     const H bits = h.stochastic_rounding
-                       ? V::bf16_stochastic(p, V::random(s.first_counter + static_cast<uint32_t>(i), s.rng_key))
+                       ? V::bf16_stochastic(p, V::random16(s.first_counter + static_cast<uint32_t>(i), s.rng_key))
                        : V::bf16_nearest(p);
     V::store16(param, bits);
     if (s.bf16_out) V::store16(s.bf16_out + i, bits);
@@ -161,6 +164,10 @@ void run_segment(const Segment& segment, const Hyper& hyper) {
   const Segment s = segment;
   const Hyper h = hyper;
   int64_t i = 0;
+  if (s.first_counter & 1) {  // vector random16 needs an even first counter
+    update<ScalarOps, P, G, S, kProbe>(0, s, h);
+    i = 1;
+  }
   for (; i + kLineElements <= s.n; i += kLineElements) {
     prefetch_ahead<P, G, S>(i, s);
     for (int64_t j = i; j < i + kLineElements; j += V::kWidth) update<V, P, G, S, kProbe>(j, s, h);

@@ -47,18 +47,19 @@ struct Avx2Ops {
     const U lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), splat(1));
     return keep_nan(x, _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, splat(0x7FFF)), lsb), 16));
   }
-  static H bf16_stochastic(F x, U random) {
+  static H bf16_stochastic(F x, U random16) {
     const U u = _mm256_castps_si256(x);
-    return keep_nan(x, _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_srli_epi32(random, 16)), 16));
+    return keep_nan(x, _mm256_srli_epi32(_mm256_add_epi32(u, random16), 16));
   }
-  static U random(uint32_t first_counter, uint32_t key) {
-    U x = _mm256_add_epi32(splat(first_counter), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    x = _mm256_add_epi32(x, splat(key));
-    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
-    x = _mm256_mullo_epi32(x, splat(kMix1));
-    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
-    x = _mm256_mullo_epi32(x, splat(kMix2));
-    return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  // Four hashes on 128-bit lanes, their 16-bit halves zero-extended in order.
+  static U random16(uint32_t first_counter, uint32_t key) {
+    __m128i x = _mm_add_epi32(_mm_set1_epi32(static_cast<int>((first_counter >> 1) + key)), _mm_setr_epi32(0, 1, 2, 3));
+    x = _mm_xor_si128(x, _mm_srli_epi32(x, 16));
+    x = _mm_mullo_epi32(x, _mm_set1_epi32(static_cast<int>(kMix1)));
+    x = _mm_xor_si128(x, _mm_srli_epi32(x, 15));
+    x = _mm_mullo_epi32(x, _mm_set1_epi32(static_cast<int>(kMix2)));
+    x = _mm_xor_si128(x, _mm_srli_epi32(x, 16));
+    return _mm256_cvtepu16_epi32(x);
   }
 };
 

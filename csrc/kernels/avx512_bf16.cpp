@@ -25,7 +25,7 @@ struct Avx512Bf16Ops : Avx512Ops {
 
   static void store16(uint16_t* p, H bits) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bits); }
   static H bf16_nearest(F x) { return (__m256i)_mm512_cvtneps_pbh(x); }  // NOLINT: vector-type cast
-  static H bf16_stochastic(F x, U random) { return _mm512_cvtepi32_epi16(Avx512Ops::bf16_stochastic(x, random)); }
+  static H bf16_stochastic(F x, U random16) { return _mm512_cvtepi32_epi16(Avx512Ops::bf16_stochastic(x, random16)); }
 };
 
 }  // namespace

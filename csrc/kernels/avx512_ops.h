@@ -39,19 +39,21 @@ struct Avx512Ops {
     const U lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), splat(1));
     return keep_nan(x, _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, splat(0x7FFF)), lsb), 16));
   }
-  static H bf16_stochastic(F x, U random) {
+  static H bf16_stochastic(F x, U random16) {
     const U u = _mm512_castps_si512(x);
-    return keep_nan(x, _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_srli_epi32(random, 16)), 16));
+    return keep_nan(x, _mm512_srli_epi32(_mm512_add_epi32(u, random16), 16));
   }
-  static U random(uint32_t first_counter, uint32_t key) {
-    const U lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    U x = _mm512_add_epi32(splat(first_counter), lanes);
-    x = _mm512_add_epi32(x, splat(key));
-    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
-    x = _mm512_mullo_epi32(x, splat(kMix1));
-    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
-    x = _mm512_mullo_epi32(x, splat(kMix2));
-    return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+  // Eight hashes on 256-bit lanes; zero-extending their 16-bit halves puts the
+  // low half of hash k in element 2k and the high half in element 2k + 1.
+  static U random16(uint32_t first_counter, uint32_t key) {
+    const __m256i pairs = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256i x = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>((first_counter >> 1) + key)), pairs);
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(kMix1)));
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(kMix2)));
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+    return _mm512_cvtepu16_epi32(x);
   }
 };
 
