@@ -23,6 +23,8 @@ using at::Tensor;
 constexpr int64_t kBlock = 4096;
 // Below about 32K elements per thread, waking a second thread costs more than it saves.
 constexpr int64_t kGrainBlocks = 8;
+// Segments start at block or 2^32 boundaries: even counters, as the kernels need.
+static_assert(kBlock % 2 == 0, "stochastic rounding hashes pairs of elements");
 
 DType dtype_of(const Tensor& t, const char* role, size_t i) {
   if (t.scalar_type() == at::kFloat) return DType::f32;

@@ -35,7 +35,7 @@ inline float bits_float(uint32_t u) {
 // (counter / 2 + key), so a vector of 16 elements costs 8 hashes. The key, a
 // 64-bit mix of (seed, step, tensor), differs per step, so neighbouring
 // counters of one step and one counter over steps both get unrelated bits.
-// Vector kernels hash pairs, so their first counter must be even (run_segment).
+// Vector kernels hash pairs, so a segment's first counter must be even.
 constexpr uint32_t kMix1 = 0x7FEB352Du;
 constexpr uint32_t kMix2 = 0x846CA68Bu;
 
@@ -164,10 +164,6 @@ void run_segment(const Segment& segment, const Hyper& hyper) {
   const Segment s = segment;
   const Hyper h = hyper;
   int64_t i = 0;
-  if (s.first_counter & 1) {  // vector random16 needs an even first counter
-    update<ScalarOps, P, G, S, kProbe>(0, s, h);
-    i = 1;
-  }
   for (; i + kLineElements <= s.n; i += kLineElements) {
     prefetch_ahead<P, G, S>(i, s);
     for (int64_t j = i; j < i + kLineElements; j += V::kWidth) update<V, P, G, S, kProbe>(j, s, h);
