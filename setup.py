@@ -23,7 +23,9 @@ def ahead_of_time_build() -> dict:
 
     build = build_description()
     sources = [str(p.relative_to(ROOT)) for p in build.source_paths(ROOT / "csrc")]
-    extension = CppExtension("cpu_adam._C", sources, extra_compile_args=list(build.CXX_FLAGS))
+    extension = CppExtension(
+        "cpu_adam._C", sources, extra_compile_args=list(build.CXX_FLAGS), extra_link_args=list(build.LINK_FLAGS)
+    )
     return {"ext_modules": [extension], "cmdclass": {"build_ext": BuildExtension}}
 
 

@@ -33,7 +33,10 @@ SOURCES = (
 )
 # No -march=native: ISA code is enabled per file by target pragmas and chosen at
 # run time. -ffp-contract=off keeps every ISA bitwise equal to the scalar kernel.
-CXX_FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fvisibility=hidden")
+# -fopenmp: at::parallel_for is inlined from torch's headers and runs serially
+# unless OpenMP is on; torch ships libgomp.so.1, so the same runtime is shared.
+CXX_FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fvisibility=hidden", "-fopenmp")
+LINK_FLAGS = ("-fopenmp",)
 
 _loaded_mode: str | None = None
 
@@ -64,7 +67,7 @@ def build_dir() -> Path:
     import torch
 
     digest = hashlib.sha256()
-    digest.update(" ".join(CXX_FLAGS).encode())
+    digest.update(" ".join(CXX_FLAGS + LINK_FLAGS).encode())
     root = source_dir()
     for path in sorted(root.rglob("*")):
         if path.suffix in (".cpp", ".h"):
@@ -159,6 +162,7 @@ def _compile(directory: Path) -> None:
         name=LIBRARY_NAME,
         sources=[str(p) for p in source_paths()],
         extra_cflags=list(CXX_FLAGS),
+        extra_ldflags=list(LINK_FLAGS),
         build_directory=str(directory),
         is_python_module=False,
         verbose=False,

@@ -23,6 +23,7 @@ def collect() -> dict[str, object]:
         "supported ISAs": ", ".join(ops.supported_isas()),
         "active ISA": ops.active_isa() + (" (forced by CPU_ADAM_ISA)" if os.environ.get("CPU_ADAM_ISA") else ""),
         "threads": f"{torch.get_num_threads()} of {os.cpu_count()} cores",
+        "threads in a 2^24 step": ops.threads_for(1 << 24),
     }
 
 

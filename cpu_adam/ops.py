@@ -22,6 +22,7 @@ __all__ = [
     "compiled_isas",
     "force_isa",
     "supported_isas",
+    "threads_for",
 ]
 
 
@@ -163,6 +164,11 @@ def supported_isas() -> list[str]:
 def active_isa() -> str:
     """The ISA the next step runs on (the best supported, or CPU_ADAM_ISA)."""
     return str(_ops().active_isa())
+
+
+def threads_for(numel: int) -> int:
+    """How many threads a step over ``numel`` elements runs on (at most torch.get_num_threads())."""
+    return int(_ops().threads_for(numel))
 
 
 @contextmanager

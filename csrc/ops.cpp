@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <mutex>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -145,6 +147,24 @@ uint32_t rng_key(int64_t seed, int64_t step, size_t tensor, int64_t high_counter
   return static_cast<uint32_t>(mix64(k ^ static_cast<uint64_t>(high_counter)));
 }
 
+// The one parallel split of a step: whole blocks per thread.
+template <class Fn>
+void split_blocks(int64_t blocks, const Fn& fn) {
+  at::parallel_for(0, blocks, kGrainBlocks, fn);
+}
+
+// How many threads a step of `numel` elements runs on: proves the build's
+// parallel backend works (without OpenMP, at::parallel_for silently runs serially).
+int64_t threads_for(int64_t numel) {
+  std::mutex mutex;
+  std::set<int> threads;
+  split_blocks((numel + kBlock - 1) / kBlock, [&](int64_t, int64_t) {
+    const std::lock_guard<std::mutex> lock(mutex);
+    threads.insert(at::get_thread_num());
+  });
+  return static_cast<int64_t>(threads.size());
+}
+
 void run_all(std::vector<Tuple>& tuples, const Hyper& h, int64_t seed, int64_t step) {
   const KernelFn kernel = active_isa().kernel;
   std::vector<int64_t> block_start(tuples.size() + 1, 0);
@@ -170,7 +190,7 @@ void run_all(std::vector<Tuple>& tuples, const Hyper& h, int64_t seed, int64_t s
       begin = stop;
     }
   };
-  at::parallel_for(0, block_start.back(), kGrainBlocks, [&](int64_t b0, int64_t b1) {
+  split_blocks(block_start.back(), [&](int64_t b0, int64_t b1) {
     const ScopedFlushDenormals flush_denormals;
     size_t i = std::upper_bound(block_start.begin(), block_start.end(), b0) - block_start.begin() - 1;
     for (int64_t b = b0; b < b1;) {
@@ -249,6 +269,7 @@ TORCH_LIBRARY(cpu_adam, m) {
   m.def("supported_isas() -> str[]", &supported_isa_names);
   m.def("active_isa() -> str", &active_isa_name);
   m.def("set_isa(str name) -> str", &set_isa);
+  m.def("threads_for(int numel) -> int", &threads_for);
 }
 
 TORCH_LIBRARY_IMPL(cpu_adam, CPU, m) {

@@ -122,7 +122,7 @@ def test_forced_isa_from_environment() -> None:
 def test_info_reports_build_and_isas() -> None:
     out, _ = finish(python("from cpu_adam.info import main; main()", {}))
     assert f"cpu_adam        {cpu_adam.__version__}" in out
-    for line in ("build mode", "compiled ISAs", "supported ISAs", "active ISA", "threads", "torch"):
+    for line in ("build mode", "compiled ISAs", "supported ISAs", "active ISA", "threads in a 2^24 step", "torch"):
         assert line in out
     assert "scalar" in out
 

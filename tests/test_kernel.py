@@ -243,6 +243,13 @@ def test_single_thread_warns_once_with_the_fix(
         assert messages == []
 
 
+def test_steps_run_on_every_thread() -> None:
+    # Without OpenMP in the build, at::parallel_for silently runs on one thread.
+    threads = torch.get_num_threads()
+    assert ops.threads_for(1 << 24) == threads
+    assert ops.threads_for(1000) == 1  # below the grain, one thread is faster
+
+
 def test_non_contiguous_tensors_are_updated_in_place(isa: str) -> None:
     base = make_tuple(64 * 50, ("f32", "f32", "f32"), seed=2)
     expected = run_step(isa, [t.view(64, 50).t().contiguous() for t in base], True, step=2, **HYPER)
