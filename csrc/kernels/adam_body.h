@@ -164,7 +164,6 @@ void run_segment(const Segment& segment, const Hyper& hyper) {
   const Segment s = segment;
   const Hyper h = hyper;
   int64_t i = 0;
-#pragma GCC unroll 4
   for (; i + kLineElements <= s.n; i += kLineElements) {
     prefetch_ahead<P, G, S>(i, s);
     for (int64_t j = i; j < i + kLineElements; j += V::kWidth) update<V, P, G, S, kProbe>(j, s, h);
