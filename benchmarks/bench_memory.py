@@ -1,0 +1,162 @@
+"""Host bytes per parameter held by CPUAdam, torch.optim.AdamW and DeepSpeedCPUAdam.
+
+    python benchmarks/bench_memory.py                 # 2^24 params per case
+    python benchmarks/bench_memory.py --size 2^26 --json memory.json
+
+Each case runs in a fresh child process, so the allocator's leftovers and the high-water mark
+of one case never count towards another. Measured, not computed from the dtypes:
+- state: the bytes of the tensors the optimizer put in ``optimizer.state`` (storages counted once);
+- RSS delta: the process's resident memory after the first step minus before it (the state the
+  step allocated and kept, as the OS sees it);
+- peak extra: the high-water mark of resident memory (ru_maxrss) above the pre-step level, i.e.
+  the kept state plus temporaries the step needed while it ran.
+Params and grads are allocated before the step and reported from their dtypes: the optimizer
+takes them as given (torch wants a grad in its param's dtype, so all three get the same).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+# An installed cpu_adam wins; a source checkout that was not installed works too.
+sys.path.append(str(Path(__file__).resolve().parent.parent))
+from _common import deepspeed_adam, format_table, parse_size, size_label
+
+CPU_ADAM, TORCH_FOREACH, TORCH_FUSED, DEEPSPEED = (
+    "CPUAdam",
+    "torch AdamW foreach",
+    "torch AdamW fused",
+    "DeepSpeedCPUAdam",
+)
+# (params, states): the rows of DESIGN.md's byte budget table.
+CASES = [("fp32", "fp32"), ("fp32", "bf16"), ("bf16", "fp32"), ("bf16", "bf16")]
+IMPLEMENTATIONS = (CPU_ADAM, TORCH_FOREACH, TORCH_FUSED, DEEPSPEED)
+
+
+def supported(impl: str, param: str, state: str) -> bool:
+    if impl in (TORCH_FOREACH, TORCH_FUSED):
+        return state == param  # torch keeps moments in the param dtype
+    if impl == DEEPSPEED:
+        return state == "fp32" or state == param  # fp32 states, or the param dtype
+    return True
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def measure(impl: str, param: str, state: str, n: int) -> dict:
+    """Runs in the child: one optimizer on one flat param, two steps, the figures per param."""
+    import torch
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    # Filled in place: a temporary here would lift ru_maxrss above the pre-step level and
+    # hide the step's own peak under it.
+    p = torch.nn.Parameter(torch.randn(n, dtype=dtype[param]))
+    p.grad = torch.randn(n, dtype=dtype[param]).mul_(1e-2)
+    hyper = {"lr": 1e-3, "weight_decay": 0.01}
+    if impl == CPU_ADAM:
+        from cpu_adam import CPUAdam, ops
+
+        ops.active_isa()  # loads the kernels before the measurement, not inside it
+        opt = CPUAdam([p], **hyper, fp32_optimizer_states=state == "fp32")
+    elif impl in (TORCH_FOREACH, TORCH_FUSED):
+        flag = "foreach" if impl == TORCH_FOREACH else "fused"
+        opt = torch.optim.AdamW([p], **hyper, **{flag: True})
+    else:
+        ds_cls, _ = deepspeed_adam()
+        opt = ds_cls([p], **hyper, fp32_optimizer_states=state == "fp32")
+    before = rss_bytes()
+    opt.step()
+    after = rss_bytes()
+    opt.step()  # a second step must not grow anything: the state is allocated once
+    after_two = rss_bytes()
+    peak = peak_rss_bytes()
+    storages: dict[int, int] = {}
+    moment_dtypes = set()
+    for s in opt.state.values():
+        for t in s.values():
+            if torch.is_tensor(t):  # the step count is a 0-d tensor in torch, an int in DeepSpeed
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                if t.numel() == n:
+                    moment_dtypes.add(str(t.dtype).replace("torch.", ""))
+    return {
+        "implementation": impl,
+        "params": param,
+        "states": state,
+        "size": n,
+        "param_grad_bytes_per_param": (p.element_size() + p.grad.element_size()),
+        "state_bytes_per_param": sum(storages.values()) / n,
+        "state_dtypes": sorted(moment_dtypes),
+        "rss_delta_bytes_per_param": (after - before) / n,
+        "rss_growth_second_step_per_param": (after_two - after) / n,
+        "peak_extra_bytes_per_param": (peak - before) / n,
+    }
+
+
+def run_child(impl: str, param: str, state: str, n: int) -> dict:
+    cmd = [sys.executable, __file__, "--child", impl, param, state, "--size", str(n)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{impl} {param}/{state} failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", default="24", help="params: log2 ('24', '2^24') or a count (default 2^24)")
+    parser.add_argument("--json", metavar="PATH", help="write the figures here")
+    parser.add_argument("--no-deepspeed", action="store_true", help="leave DeepSpeedCPUAdam out even if installed")
+    parser.add_argument("--child", nargs=3, metavar=("IMPL", "PARAMS", "STATES"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    n = parse_size(args.size)
+    if args.child:
+        print(json.dumps(measure(*args.child, n)))
+        return
+
+    ds_cls, ds_status = deepspeed_adam()
+    if args.no_deepspeed:
+        ds_status = "skipped"
+    rows, results = [], []
+    for param, state in CASES:
+        for impl in IMPLEMENTATIONS:
+            label = [f"{param}/{state}", impl]
+            if impl == DEEPSPEED and (ds_cls is None or args.no_deepspeed):
+                rows.append([*label, ds_status, "", "", "", ""])
+                continue
+            if not supported(impl, param, state):
+                rows.append([*label, "not supported", "", "", "", ""])
+                continue
+            r = run_child(impl, param, state, n)
+            results.append(r)
+            total = r["param_grad_bytes_per_param"] + r["state_bytes_per_param"]
+            rows.append(
+                [
+                    *label,
+                    f"{r['state_bytes_per_param']:.2f} ({','.join(r['state_dtypes'])})",
+                    f"{r['rss_delta_bytes_per_param']:.2f}",
+                    f"{r['peak_extra_bytes_per_param']:.2f}",
+                    str(r["param_grad_bytes_per_param"]),
+                    f"{total:.2f}",
+                ]
+            )
+    print(f"# host bytes per parameter, {size_label(n)} params, one flat param per optimizer\n")
+    headers = ["params/states", "optimizer", "state (tensors)", "RSS delta, 1st step", "peak extra", "param+grad"]
+    print(format_table([*headers, "held in all"], rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"size": n, "deepspeed": ds_status, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
