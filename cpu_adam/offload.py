@@ -36,6 +36,7 @@ from ._device import DeviceOps
 from ._grads import GradCollector, GroupBuffers
 from .distributed import check_shard, check_threads, full_to_shard
 from .ops import adam_step
+from .optimizer import check_hyper_parameters
 
 __all__ = ["OffloadOptimizer"]
 
@@ -104,12 +105,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         stochastic_rounding: bool = False,
         seed: int | None = None,
     ) -> None:
-        if not lr >= 0.0:
-            raise ValueError(f"invalid learning rate: {lr}")
-        if not eps >= 0.0:
-            raise ValueError(f"invalid eps: {eps}")
-        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"invalid betas: {betas}")
+        check_hyper_parameters("cpu_adam.OffloadOptimizer", float(lr), betas, eps, weight_decay)
         if master_weights_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(
                 f"master_weights_dtype must be torch.float32 or torch.bfloat16, got {master_weights_dtype}"

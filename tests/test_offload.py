@@ -322,6 +322,15 @@ def test_rejects_unsupported_options():
         opt.add_param_group({"params": [nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))]})
 
 
+@pytest.mark.parametrize(
+    ("option", "match"),
+    [({"lr": -1e-3}, "lr"), ({"betas": (0.9, 1.0)}, "betas"), ({"eps": -1.0}, "eps"), ({"weight_decay": -0.1}, "weight")],
+)
+def test_rejects_bad_hyper_parameters(option: dict, match: str):
+    with pytest.raises(ValueError, match=rf"OffloadOptimizer: {match}"):
+        OffloadOptimizer(make_model().parameters(), **option)
+
+
 class _CopyingCPU(offload.DeviceOps):
     """The CPU treated like a GPU: separate staging areas, copies down, weights uploaded."""
 
