@@ -324,7 +324,12 @@ def test_rejects_unsupported_options():
 
 @pytest.mark.parametrize(
     ("option", "match"),
-    [({"lr": -1e-3}, "lr"), ({"betas": (0.9, 1.0)}, "betas"), ({"eps": -1.0}, "eps"), ({"weight_decay": -0.1}, "weight")],
+    [
+        ({"lr": -1e-3}, "lr"),
+        ({"betas": (0.9, 1.0)}, "betas"),
+        ({"eps": -1.0}, "eps"),
+        ({"weight_decay": -1.0}, "weight"),
+    ],
 )
 def test_rejects_bad_hyper_parameters(option: dict, match: str):
     with pytest.raises(ValueError, match=rf"OffloadOptimizer: {match}"):
