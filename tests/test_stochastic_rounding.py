@@ -68,25 +68,30 @@ def test_stochastic_rounding_is_reproducible_and_seeded(isa: str) -> None:
     assert not torch.equal(run(seed=6, step=1), first)
 
 
-def test_stochastic_rounding_picks_one_of_the_two_neighbours() -> None:
-    start = torch.linspace(1, 2, 4099).to(torch.bfloat16)
-    param = start.clone()
-    zeros = [torch.zeros(4099, dtype=torch.bfloat16) for _ in range(3)]
-    # Decoupled weight decay alone: p * (1 - 0.3 * 0.01), which falls between bf16 values.
+def decay_only_sr_step(param: torch.Tensor, lr: float, weight_decay: float, seed: int) -> None:
+    """One stochastically rounded step with zero grads and moments: only p * (1 - lr * wd) acts."""
+    zeros = [torch.zeros_like(param) for _ in range(3)]
     ops.adam_step(
         [param],
         [zeros[0]],
         [zeros[1]],
         [zeros[2]],
         step=1,
-        lr=0.3,
+        lr=lr,
         beta1=0.9,
         beta2=0.999,
         eps=1e-8,
-        weight_decay=0.01,
+        weight_decay=weight_decay,
         stochastic_rounding=True,
-        seed=3,
+        seed=seed,
     )
+
+
+def test_stochastic_rounding_picks_one_of_the_two_neighbours() -> None:
+    start = torch.linspace(1, 2, 4099).to(torch.bfloat16)
+    param = start.clone()
+    # Decoupled weight decay alone: p * (1 - 0.3 * 0.01), which falls between bf16 values.
+    decay_only_sr_step(param, lr=0.3, weight_decay=0.01, seed=3)
     exact = start.float() * (1 - 0.3 * 0.01)
     # Positive floats: dropping the low 16 bits gives the bf16 value below, +1 the one above.
     below_bits = exact.view(torch.int32) >> 16
@@ -100,41 +105,14 @@ def test_nan_inf_and_the_bf16_maximum() -> None:
     bf16_max = torch.finfo(torch.bfloat16).max
     values = torch.tensor([float("nan"), float("inf"), -float("inf"), bf16_max, -bf16_max, 0.0, -0.0])
     param = values.to(torch.bfloat16).repeat(100)
-    zeros = [torch.zeros_like(param) for _ in range(3)]
-    ops.adam_step(
-        [param],
-        [zeros[0]],
-        [zeros[1]],
-        [zeros[2]],
-        step=1,
-        lr=0.0,
-        beta1=0.9,
-        beta2=0.999,
-        eps=1e-8,
-        stochastic_rounding=True,
-        seed=1,
-    )
+    decay_only_sr_step(param, lr=0.0, weight_decay=0.0, seed=1)
     # Representable values store as themselves; NaN stays NaN.
     assert_same_bits(param, values.to(torch.bfloat16).repeat(100), "specials")
 
     # Just past the bf16 maximum (p * 1.001 via a negative decay): the two neighbours
     # are the maximum and infinity, as round-to-nearest's overflow to inf.
     near_max = torch.full((1000,), bf16_max, dtype=torch.bfloat16)
-    zeros = [torch.zeros_like(near_max) for _ in range(3)]
-    ops.adam_step(
-        [near_max],
-        [zeros[0]],
-        [zeros[1]],
-        [zeros[2]],
-        step=1,
-        lr=1.0,
-        beta1=0.9,
-        beta2=0.999,
-        eps=1e-8,
-        weight_decay=-1e-3,
-        stochastic_rounding=True,
-        seed=1,
-    )
+    decay_only_sr_step(near_max, lr=1.0, weight_decay=-1e-3, seed=1)
     assert not near_max.isnan().any()
     assert ((near_max == bf16_max) | (near_max == float("inf"))).all()
 
