@@ -25,7 +25,16 @@ struct Avx512Bf16Ops : Avx512Ops {
 
   static void store16(uint16_t* p, H bits) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bits); }
   static H bf16_nearest(F x) { return (__m256i)_mm512_cvtneps_pbh(x); }  // NOLINT: vector-type cast
-  static H bf16_stochastic(F x, U random16) { return _mm512_cvtepi32_epi16(Avx512Ops::bf16_stochastic(x, random16)); }
+  // The random bits are added to every lane but NaNs, the low half cleared, and
+  // the convert, exact on such values, packs and quiets NaNs as the scalar code
+  // does. (Stored values are arithmetic results, so a NaN here is never
+  // signaling: its quiet bit survives the clearing.)
+  static H bf16_stochastic(F x, U random16) {
+    const U u = _mm512_castps_si512(x);
+    const __mmask16 not_nan = _mm512_cmp_ps_mask(x, x, _CMP_ORD_Q);
+    const U truncated = _mm512_and_si512(_mm512_mask_add_epi32(u, not_nan, u, random16), splat(0xFFFF0000u));
+    return (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(truncated));  // NOLINT: vector-type cast
+  }
 };
 
 }  // namespace
