@@ -7,8 +7,10 @@ deadline after which the ranks are killed.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -36,6 +38,7 @@ def free_loopback_port() -> int:
 def _rank_main(
     rank: int, fn: Callable[..., None], world_size: int, store_path: str, port: int, timeout_s: float, args: tuple
 ) -> None:
+    faulthandler.enable()  # a rank killed by a signal still prints where it was
     # Environment first: engines such as DeepSpeed read these instead of the live process group.
     os.environ.update(
         {
@@ -56,6 +59,12 @@ def _rank_main(
         fn(rank, world_size, *args)
     finally:
         dist.destroy_process_group()
+    # The rank's work is done and checked. Skip interpreter teardown: DeepSpeed leaves process
+    # groups and threads of its own behind, and tearing the process down with them alive
+    # aborted ("terminate called without an active exception") in about 1 run in 10.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(fn: Callable[..., None], *args: Any, world_size: int = 2, timeout_s: float = 90.0) -> None:
