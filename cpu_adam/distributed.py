@@ -19,7 +19,7 @@ from torch import Tensor
 from ._flat import FlatLayout
 from ._threads import cores_per_local_rank, warn_if_single_threaded
 
-__all__ = ["check_threads", "consolidate_state_dict"]
+__all__ = ["check_threads", "consolidate_state_dict", "cores_per_local_rank"]
 
 logger = logging.getLogger(__name__)
 

@@ -19,15 +19,7 @@ import torch
 from torch import nn
 
 from cpu_adam import CPUAdam
-
-
-def use_this_ranks_cores() -> int:
-    """torchrun and the deepspeed launcher set OMP_NUM_THREADS=1, which leaves the CPU optimizer
-    step on one core. Give each local rank its share of the cores instead."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    threads = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    torch.set_num_threads(threads)
-    return threads
+from cpu_adam.distributed import cores_per_local_rank
 
 
 def main() -> None:
@@ -40,7 +32,9 @@ def main() -> None:
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher; unused")
     args = parser.parse_args()
 
-    threads = use_this_ranks_cores()
+    # torchrun sets OMP_NUM_THREADS=1: give this rank its share of the cores for the CPU step.
+    threads = cores_per_local_rank()
+    torch.set_num_threads(threads)
     import deepspeed  # after the thread setting: importing it probes the accelerator
     from deepspeed.accelerator import get_accelerator
 

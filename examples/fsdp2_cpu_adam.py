@@ -20,15 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
 from cpu_adam import CPUAdam
-
-
-def use_this_ranks_cores() -> int:
-    """torchrun sets OMP_NUM_THREADS=1, which leaves the CPU optimizer step on one core.
-    Give each local rank its share of the cores instead."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    threads = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    torch.set_num_threads(threads)
-    return threads
+from cpu_adam.distributed import cores_per_local_rank
 
 
 def build_model(dim: int, depth: int, device: torch.device) -> nn.Module:
@@ -53,7 +45,9 @@ def main() -> None:
     parser.add_argument("--bf16-states", action="store_true", help="keep Adam's moments in bfloat16 (half the bytes)")
     args = parser.parse_args()
 
-    threads = use_this_ranks_cores()
+    # torchrun sets OMP_NUM_THREADS=1: give this rank its share of the cores for the CPU step.
+    threads = cores_per_local_rank()
+    torch.set_num_threads(threads)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)

@@ -21,17 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from cpu_adam import OffloadOptimizer
-from cpu_adam.distributed import consolidate_state_dict
+from cpu_adam.distributed import consolidate_state_dict, cores_per_local_rank
 
 VOCAB = 512
-
-
-def use_this_ranks_cores() -> int:
-    """torchrun sets OMP_NUM_THREADS=1: give each local rank its share of the cores for the CPU step."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    threads = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    torch.set_num_threads(threads)
-    return threads
 
 
 def main() -> None:
@@ -43,7 +35,9 @@ def main() -> None:
     parser.add_argument("--resume", help="a full checkpoint (consolidated) to continue from")
     args = parser.parse_args()
 
-    threads = use_this_ranks_cores()
+    # torchrun sets OMP_NUM_THREADS=1: give this rank its share of the cores for the CPU step.
+    threads = cores_per_local_rank()
+    torch.set_num_threads(threads)
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
