@@ -86,6 +86,8 @@ std::vector<Tuple> prepare(const std::vector<Tensor>& params, const std::vector<
               grads.size(), ", ", exp_avgs.size(), ", ", exp_avg_sqs.size());
   TORCH_CHECK(outs.empty() || outs.size() == n, "cpu_adam: bf16_outs must be empty or have one tensor per param, got ",
               outs.size(), " for ", n, " params");
+  // No device or layout check: the dispatcher sends only dense CPU tensors here
+  // (cpu_adam/ops.py explains the others before dispatch).
   std::vector<Tuple> tuples(n);
   std::vector<Span> spans;
   for (size_t i = 0; i < n; ++i) {
@@ -94,8 +96,6 @@ std::vector<Tuple> prepare(const std::vector<Tensor>& params, const std::vector<
     for (int r = 0; r < 5; ++r) {
       if (!all[r]) continue;
       const Tensor& t = *all[r];
-      TORCH_CHECK(t.device().is_cpu() && t.layout() == at::kStrided, "cpu_adam: ", roles[r], "[", i, "] is a ",
-                  t.device(), " ", t.layout(), " tensor; the kernel updates dense CPU tensors only");
       TORCH_CHECK(t.numel() == params[i].numel(), "cpu_adam: ", roles[r], "[", i, "] has ", t.numel(),
                   " elements but params[", i, "] has ", params[i].numel(), "; each tuple must match in size");
       if (t.numel() > 0) spans.push_back(span_of(t, i, roles[r], r != 1));
