@@ -28,10 +28,18 @@ constexpr int64_t kGrainBlocks = 8;
 // Segments start at block or 2^32 boundaries: even counters, as the kernels need.
 static_assert(kBlock % 2 == 0, "stochastic rounding hashes pairs of elements");
 
+// Numbers go into error messages as strings: where the extension's C++ runtime differs from
+// torch's (seen with torch 2.11+cu130 wheels built by g++ 13 on Ubuntu 24.04), streaming an
+// integer into the message crashed in the locale code instead of raising.
+template <class T>
+std::string text(T value) {
+  return std::to_string(value);
+}
+
 DType dtype_of(const Tensor& t, const char* role, size_t i) {
   if (t.scalar_type() == at::kFloat) return DType::f32;
   if (t.scalar_type() == at::kBFloat16) return DType::bf16;
-  TORCH_CHECK(false, "cpu_adam: ", role, "[", i, "] has dtype ", t.scalar_type(),
+  TORCH_CHECK(false, "cpu_adam: ", role, "[", text(i), "] has dtype ", t.scalar_type(),
               "; only float32 and bfloat16 are supported: convert it with .float() or .bfloat16()");
 }
 
@@ -63,7 +71,7 @@ void check_no_aliasing(std::vector<Span> spans) {
     open.erase(std::remove_if(open.begin(), open.end(), [&](const Span* o) { return o->end <= s.begin; }), open.end());
     for (const Span* o : open) {
       if (!(o->written || s.written) || is_grad_reused_as_output(*o, s)) continue;
-      TORCH_CHECK(false, "cpu_adam: ", o->role, "[", o->tuple, "] and ", s.role, "[", s.tuple,
+      TORCH_CHECK(false, "cpu_adam: ", o->role, "[", text(o->tuple), "] and ", s.role, "[", text(s.tuple),
                   "] share memory; every param, exp_avg, exp_avg_sq and output needs its own storage "
                   "(only a bf16 output may be the very same tensor as its own grad). Pass each tensor "
                   "once, and .clone() tensors that are views of each other");
@@ -82,10 +90,10 @@ std::vector<Tuple> prepare(const std::vector<Tensor>& params, const std::vector<
                            const std::vector<Tensor>& outs) {
   const size_t n = params.size();
   TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n,
-              "cpu_adam: params, grads, exp_avgs and exp_avg_sqs must have the same length, got ", n, ", ",
-              grads.size(), ", ", exp_avgs.size(), ", ", exp_avg_sqs.size());
+              "cpu_adam: params, grads, exp_avgs and exp_avg_sqs must have the same length, got ", text(n),
+              ", ", text(grads.size()), ", ", text(exp_avgs.size()), ", ", text(exp_avg_sqs.size()));
   TORCH_CHECK(outs.empty() || outs.size() == n, "cpu_adam: bf16_outs must be empty or have one tensor per param, got ",
-              outs.size(), " for ", n, " params");
+              text(outs.size()), " for ", text(n), " params");
   // No device or layout check: the dispatcher sends only dense CPU tensors here
   // (cpu_adam/ops.py explains the others before dispatch).
   std::vector<Tuple> tuples(n);
@@ -96,18 +104,18 @@ std::vector<Tuple> prepare(const std::vector<Tensor>& params, const std::vector<
     for (int r = 0; r < 5; ++r) {
       if (!all[r]) continue;
       const Tensor& t = *all[r];
-      TORCH_CHECK(t.numel() == params[i].numel(), "cpu_adam: ", roles[r], "[", i, "] has ", t.numel(),
-                  " elements but params[", i, "] has ", params[i].numel(), "; each tuple must match in size");
+      TORCH_CHECK(t.numel() == params[i].numel(), "cpu_adam: ", roles[r], "[", text(i), "] has ",
+                  text(t.numel()), " elements but params[", text(i), "] has ", text(params[i].numel()), "; each tuple must match in size");
       if (t.numel() > 0) spans.push_back(span_of(t, i, roles[r], r != 1));
     }
     Tuple& tu = tuples[i];
     tu.layout = {dtype_of(params[i], "params", i), dtype_of(grads[i], "grads", i),
                  dtype_of(exp_avgs[i], "exp_avgs", i)};
-    TORCH_CHECK(exp_avg_sqs[i].scalar_type() == exp_avgs[i].scalar_type(), "cpu_adam: exp_avgs[", i, "] is ",
-                exp_avgs[i].scalar_type(), " but exp_avg_sqs[", i, "] is ", exp_avg_sqs[i].scalar_type(),
+    TORCH_CHECK(exp_avg_sqs[i].scalar_type() == exp_avgs[i].scalar_type(), "cpu_adam: exp_avgs[", text(i), "] is ",
+                exp_avgs[i].scalar_type(), " but exp_avg_sqs[", text(i), "] is ", exp_avg_sqs[i].scalar_type(),
                 "; keep both moments in one dtype");
     if (!outs.empty()) {
-      TORCH_CHECK(outs[i].scalar_type() == at::kBFloat16, "cpu_adam: bf16_outs[", i, "] has dtype ",
+      TORCH_CHECK(outs[i].scalar_type() == at::kBFloat16, "cpu_adam: bf16_outs[", text(i), "] has dtype ",
                   outs[i].scalar_type(), "; the output copy is always bfloat16");
       tu.out = outs[i].contiguous();
     }
@@ -216,7 +224,7 @@ void adam_step(const std::vector<Tensor>& params, const std::vector<Tensor>& gra
                double beta2, double eps, double weight_decay, bool adamw_mode, double bias_correction1,
                double bias_correction2, double grad_scale, bool stochastic_rounding, int64_t seed, int64_t step) {
   TORCH_CHECK(bias_correction1 > 0 && bias_correction2 > 0, "cpu_adam: bias corrections must be > 0, got ",
-              bias_correction1, " and ", bias_correction2, "; compute them as 1 - beta**step with step >= 1");
+              text(bias_correction1), " and ", text(bias_correction2), "; compute them as 1 - beta**step with step >= 1");
   // Folded in double, as torch folds them in Python, then rounded once to float.
   Hyper h;
   h.step_size = static_cast<float>(lr / bias_correction1);

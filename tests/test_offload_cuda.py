@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+import torch.nn.functional as F
 from offload_helpers import AdamWOracle, GradTap, assert_matches_oracle, batches, lm_loss, make_model
 from torch import nn
 
@@ -137,3 +140,316 @@ def test_device_memory_for_grads_stays_bounded():
     assert opt.memory_stats()["device_peak_bytes"] <= 3 * bucket * 2
     opt.step()
     assert opt.memory_stats()["device_bytes"] == 0
+
+
+# -- stress shapes and stream races -----------------------------------------------------------------
+
+FAST_SLEEP_CYCLES = 10_000_000  # ~5-7 ms: still far longer than any copy of the tiny model
+
+
+def _low_density_run(sync_every_step: bool, steps: int = 12) -> list[torch.Tensor]:
+    """torchao's stress shape: a wide Linear whose weights take far longer to copy than to use."""
+    torch.manual_seed(0)
+    model = nn.Linear(32, 131072).to("cuda", torch.bfloat16)
+    opt = OffloadOptimizer(model.parameters(), lr=1e-2, bucket_size=2**20)  # several buckets and chunks
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    xs = [torch.randn(16, 32, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(steps)]
+    for x in xs:
+        model(x).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if sync_every_step:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    return [p.detach().clone() for p in model.parameters()] + [m.clone() for m in opt.master_weights()]
+
+
+def test_back_to_back_low_density_loop_equals_synchronized_loop():
+    fast, synced = _low_density_run(False), _low_density_run(True)
+    for a, b in zip(fast, synced):
+        assert torch.equal(a, b), "without host syncs a step read weights or grads still in flight"
+
+
+def _slow_compute_at_packing(params: list[torch.Tensor]) -> list:
+    """Queues a long kernel on the compute stream just before the optimizer packs each grad.
+
+    Registered after the tap and before the optimizer, so it runs between them: a copy down
+    that does not wait for the compute stream reads the staging area before the grad is in it.
+    """
+    return [p.register_post_accumulate_grad_hook(lambda p: torch.cuda._sleep(FAST_SLEEP_CYCLES)) for p in params]
+
+
+@pytest.mark.parametrize("micro_batches", [1, 3])
+def test_copies_down_wait_for_a_slow_compute_stream(micro_batches: int):
+    model = make_model(0, device="cuda")
+    params = list(model.parameters())
+    tap = GradTap(params)
+    _slow_compute_at_packing(params)
+    opt = OffloadOptimizer(params, **HYPER, bucket_size=1024)
+    oracle = AdamWOracle([{"params": params}], **HYPER)
+    for tokens in batches(3, batch=12, device="cuda"):
+        for chunk in tokens.chunk(micro_batches):
+            (lm_loss(model, chunk) / micro_batches).backward()
+        oracle.step(tap.take())
+        opt.step()
+        assert_matches_oracle(opt, params, oracle)
+
+
+# -- device memory: the weights plus a bounded number of buckets ------------------------------------
+
+WIDTH, LAYERS = 2048, 16
+LAYER_BYTES = WIDTH * WIDTH * 2
+
+
+def _mlp(used: int = LAYERS) -> nn.Module:
+    layers = nn.Sequential(*[nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LAYERS)])
+    layers.used = used  # the forward runs the first `used` layers only
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        for layer in list(layers)[: layers.used]:
+            x = layer(x)
+        return x
+
+    layers.forward = forward
+    return layers.to("cuda", torch.bfloat16)
+
+
+def _extra_peak(fn) -> int:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - start
+
+
+# The promise: besides the weights, the optimizer holds at most the packed bucket, the
+# in-flight ones and their norm temporaries, plus one grad being packed and the activations.
+def _bound(bucket_bytes: int, inflight: int = 2) -> int:
+    return (inflight + 2) * bucket_bytes + bucket_bytes * 2 + 16 * 2**20
+
+
+def test_construction_holds_no_second_copy_of_the_weights():
+    model = _mlp()
+    weights = sum(p.numel() * 2 for p in model.parameters())
+    extra = _extra_peak(lambda: OffloadOptimizer(model.parameters(), bucket_size=WIDTH * WIDTH))
+    assert extra <= _bound(LAYER_BYTES) < weights, f"{extra / 2**20:.0f} MiB extra while building the optimizer"
+
+
+def _backward_extra(model: nn.Module, params: list[torch.Tensor], **options) -> int:
+    opt = OffloadOptimizer(params, bucket_size=2 * WIDTH * WIDTH, max_inflight_buckets=2, **options)
+    x = torch.randn(4, WIDTH, device="cuda", dtype=torch.bfloat16)
+    extra = _extra_peak(lambda: model(x).float().sum().backward())
+    opt.step()
+    assert opt.memory_stats()["device_bytes"] == 0
+    return extra
+
+
+def test_device_memory_bounded_with_unused_params():
+    model = _mlp(used=LAYERS // 2)  # every bucket of the used half is full; the rest never fill
+    params = list(model.parameters())
+    order = [p for pair in zip(params[: LAYERS // 2], params[LAYERS // 2 :]) for p in pair]  # each bucket half unused
+    extra = _backward_extra(model, order)
+    assert extra <= _bound(2 * LAYER_BYTES), f"{extra / 2**20:.0f} MiB held during backward"
+
+
+def test_device_memory_bounded_with_shuffled_registration_order():
+    model = _mlp()
+    params = list(model.parameters())
+    order = [params[i] for i in torch.randperm(LAYERS, generator=torch.Generator().manual_seed(0))]
+    extra = _backward_extra(model, order)
+    assert extra <= _bound(2 * LAYER_BYTES), f"{extra / 2**20:.0f} MiB held during backward"
+
+
+def test_device_memory_bounded_with_torch_compile():
+    model = _mlp()
+    compiled = torch.compile(model)
+    extra = _backward_extra(compiled, list(model.parameters()))
+    assert extra <= _bound(2 * LAYER_BYTES), f"{extra / 2**20:.0f} MiB held during backward"
+
+
+# -- the training loops people run ----------------------------------------------------------------
+
+
+class _OomOnce(torch.autograd.Function):
+    """Identity whose backward runs out of device memory while ``armed``: a real CUDA OOM mid-backward."""
+
+    armed = False
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        if _OomOnce.armed:
+            torch.empty(1 << 46, dtype=torch.uint8, device=grad.device)
+        return grad
+
+
+def _oom_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    x = _OomOnce.apply(model.ln1(model.emb(tokens[:, :-1])))  # the grads after it are packed before the OOM
+    x = x + model.fc2(F.gelu(model.fc1(x)))
+    logits = model.head(model.ln_f(x))
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def test_oom_in_backward_then_training_continues_as_if_the_batch_never_happened():
+    data = batches(4, device="cuda")
+
+    def train(fail_at: int | None) -> list[torch.Tensor]:
+        model = make_model(0, device="cuda")
+        opt = OffloadOptimizer(model.parameters(), **HYPER, bucket_size=1024)
+        for i, tokens in enumerate(data):
+            _OomOnce.armed = i == fail_at
+            try:
+                _oom_loss(model, tokens).backward()
+            except torch.cuda.OutOfMemoryError:
+                opt.zero_grad()
+                continue
+            finally:
+                _OomOnce.armed = False
+            opt.step()
+        torch.cuda.synchronize()
+        return [p.detach().clone() for p in model.parameters()] + opt.master_weights()
+
+    skipped = train(fail_at=1)
+    model = make_model(0, device="cuda")
+    opt = OffloadOptimizer(model.parameters(), **HYPER, bucket_size=1024)
+    for i, tokens in enumerate(data):
+        if i != 1:
+            _oom_loss(model, tokens).backward()
+            opt.step()
+    expected = [p.detach().clone() for p in model.parameters()] + opt.master_weights()
+    for a, b in zip(skipped, expected):
+        assert torch.equal(a, b), "a failed backward changed the training that followed it"
+
+
+def test_reentrant_checkpointing_with_a_shared_param_matches_adamw():
+    from torch.utils.checkpoint import checkpoint
+
+    model = make_model(0, device="cuda")
+    params = list(model.parameters())
+    tap = GradTap(params)
+    opt = OffloadOptimizer(params, **HYPER, bucket_size=1024)
+    oracle = AdamWOracle([{"params": params}], **HYPER)
+
+    def mlp(x: torch.Tensor) -> torch.Tensor:  # fc1 and fc2 used in both checkpointed segments
+        return x + model.fc2(F.gelu(model.fc1(model.ln1(x))))
+
+    for tokens in batches(4, device="cuda"):
+        x = model.emb(tokens[:, :-1])
+        x = checkpoint(mlp, x, use_reentrant=True)
+        x = checkpoint(mlp, x, use_reentrant=True)
+        logits = model.head(model.ln_f(x))
+        F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)).backward()
+        oracle.step(tap.take())
+        opt.step()
+        assert_matches_oracle(opt, params, oracle)
+
+
+def test_two_param_groups_match_adamw():
+    model = make_model(0, device="cuda")
+    params = list(model.parameters())
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": 2e-3}]
+    tap = GradTap(params)
+    opt = OffloadOptimizer(groups, lr=1e-3, betas=(0.9, 0.99), bucket_size=1024)
+    oracle = AdamWOracle(groups, lr=1e-3, betas=(0.9, 0.99))
+    for tokens in batches(4, device="cuda"):
+        lm_loss(model, tokens).backward()
+        oracle.step(tap.take())
+        opt.step()
+        assert_matches_oracle(opt, decay + no_decay, oracle)
+
+
+def test_forward_right_after_load_state_dict_sees_the_loaded_weights():
+    import copy
+
+    model, _, _, opt, _ = build()
+    data = batches(4, device="cuda")
+    for tokens in data[:2]:
+        lm_loss(model, tokens).backward()
+        opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    with torch.no_grad():
+        expected = model(data[0])
+    for tokens in data[2:]:
+        lm_loss(model, tokens).backward()
+        opt.step()
+    _slow_side_stream_copies(opt)
+    opt.load_state_dict(saved)
+    with torch.no_grad():
+        early = model(data[0])  # queued at once, no host sync
+    assert torch.equal(early, expected), "the forward right after load_state_dict did not see the loaded weights"
+
+
+def test_grad_scaler_is_refused_or_works():
+    model, params, tap, opt, oracle = build()
+    scaler = torch.amp.GradScaler("cuda")
+    tokens = batches(1, device="cuda")[0]
+    scaler.scale(lm_loss(model, tokens)).backward()
+    try:
+        scaler.step(opt)
+        scaler.update()
+    except Exception as e:  # a refusal must say what to do
+        assert "OffloadOptimizer" in str(e) and "GradScaler" in str(e), f"unclear error: {type(e).__name__}: {e}"
+        return
+    oracle.step({k: v / scaler.get_scale() for k, v in tap.take().items()})
+    assert_matches_oracle(opt, params, oracle)
+
+
+def test_cuda_graph_capture_is_refused_or_works():
+    model, _, _, opt, _ = build()
+    tokens = batches(1, device="cuda")[0]
+    lm_loss(model, tokens).backward()  # warm-up outside the graph, as CUDA graph recipes do
+    opt.step()
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(side), torch.cuda.graph(graph):
+            lm_loss(model, tokens).backward()
+            opt.step()
+    except Exception as e:
+        assert "OffloadOptimizer" in str(e) and "graph" in str(e).lower(), f"unclear error: {type(e).__name__}: {e}"
+        return
+    graph.replay()  # captured: then it has to train
+    torch.cuda.synchronize()
+
+
+# -- ZeRO on one GPU: two gloo ranks over CUDA tensors (NCCL refuses two ranks on one GPU) ----------
+
+
+def _zero_gloo_cuda_rank(rank: int, world_size: int, out: Path) -> None:
+    import torch.distributed as dist
+
+    # Every rank the same batches: the mean over ranks is exact, so 2 ranks equal 1 process bitwise.
+    model = make_model(0, device="cuda")
+    opt = OffloadOptimizer(model.parameters(), **HYPER, bucket_size=1024, process_group=dist.group.WORLD)
+    for tokens in batches(4, device="cuda"):
+        lm_loss(model, tokens).backward()
+        opt.step()
+    weights = [p.detach().cpu() for p in model.parameters()]
+    torch.save({"state": opt.state_dict(), "weights": weights}, out / f"{rank}.pt")
+
+
+@pytest.mark.dist
+def test_zero_with_gloo_on_cuda_tensors_equals_one_process(tmp_path: Path):
+    from rank_spawn import run_ranks
+
+    from cpu_adam.distributed import consolidate_state_dict
+
+    run_ranks(_zero_gloo_cuda_rank, tmp_path, world_size=2, timeout_s=120)
+    ranks = [torch.load(tmp_path / f"{r}.pt") for r in range(2)]
+    model = make_model(0, device="cuda")
+    opt = OffloadOptimizer(model.parameters(), **HYPER, bucket_size=1024)
+    for tokens in batches(4, device="cuda"):
+        lm_loss(model, tokens).backward()
+        opt.step()
+    full = consolidate_state_dict([r["state"] for r in ranks])
+    for name in ("master", "exp_avg", "exp_avg_sq"):
+        assert torch.equal(full["state"][0][name], opt.state_dict()["state"][0][name]), name
+    for rank in ranks:
+        assert all(torch.equal(a, b.cpu()) for a, b in zip(rank["weights"], model.parameters()))

@@ -1,0 +1,549 @@
+"""End-to-end offload training on one GPU: cpu_adam against torchao, DeepSpeed and GPU-resident AdamW.
+
+All contenders train the same GPT-style decoder (bf16 weights, the same seed, data and batch)
+one after another, each in its own process (a contender's leftovers cannot favour or starve the
+next). Before them, two probes set the ceilings: a pinned host<->device copy (PCIe GB/s each
+way) and cpu_adam's bandwidth probe on every core (the bytes of each host step config with
+trivial math). Per contender:
+
+- tokens/s: steps run back to back, no host sync but the last;
+- the step split, from steps with a device sync between phases: forward, backward, the
+  optimizer's step() call (for cpu_adam: waiting for grads, norm, CPU Adam with its chunked
+  uploads) and the upload tail left after step() returned;
+- peak device memory (during construction and training), host bytes per param (RSS growth);
+- bytes and achieved GB/s of the host<->device copies of one profiled step.
+
+    python benchmarks/bench_gpu_offload.py                       # 1.3B params, seq 2048, batch 8
+    python benchmarks/bench_gpu_offload.py --layers 2 --dim 256 --vocab 4096 --seq 256 --batch 2   # a smoke run
+    python benchmarks/bench_gpu_offload.py --json gpu.json --plot benchmarks/bench_gpu_offload.png
+
+Contenders (``--contenders``, comma list): torch_adamw (fused AdamW on fp32 masters kept on the
+GPU: the ceiling), torchao (``torchao.optim.CPUOffloadOptimizer``, fused CPU AdamW on bf16
+host params, grads offloaded), deepspeed (ZeRO-2, ``offload_optimizer: cpu``, bf16, one
+process: DeepSpeedCPUAdam on fp32 masters), cpu_adam_fp32 / cpu_adam_bf16 / cpu_adam_sr
+(``OffloadOptimizer`` with fp32 master and fp32 states / fp32 master and bf16 states / bf16
+master with stochastic rounding and bf16 states). A contender that is not installed or runs out
+of memory gets a row that says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from _gpt import GPT, lm_loss, param_groups
+
+LR, BETAS, WEIGHT_DECAY, MAX_NORM = 3e-4, (0.9, 0.95), 0.1, 1.0
+CONTENDERS = ("torch_adamw", "torchao", "deepspeed", "cpu_adam_fp32", "cpu_adam_bf16", "cpu_adam_sr")
+# Host step configs of cpu_adam: (master, states) dtypes and the bytes one element moves
+# (master and both moments read and written, the bf16 grad read, the bf16 weight written).
+HOST_CONFIGS = {
+    "cpu_adam_fp32": (torch.float32, torch.float32, 2 * 4 + 2 + 2 * 4 + 2 * 4 + 2),
+    "cpu_adam_bf16": (torch.float32, torch.bfloat16, 2 * 4 + 2 + 2 * 2 + 2 * 2 + 2),
+    "cpu_adam_sr": (torch.bfloat16, torch.bfloat16, 2 * 2 + 2 + 2 * 2 + 2 * 2 + 2),
+}
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def on_cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+def sync() -> None:
+    if on_cuda():
+        torch.cuda.synchronize()
+
+
+def stream_sync() -> None:
+    """Waits for the compute stream only: copies on side streams may still run."""
+    if on_cuda():
+        torch.cuda.current_stream().synchronize()
+
+
+def device_memory(peak: bool = False) -> int:
+    if not on_cuda():
+        return 0
+    return torch.cuda.max_memory_allocated() if peak else torch.cuda.memory_allocated()
+
+
+# -- the contenders: each returns (step, zero_grad, forward_backward hooks) ------------------------
+
+
+class Contender:
+    """One optimizer setup: ``loss(tokens)``, ``backward(loss)``, ``step()``, ``zero_grad()``."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.host_split: dict[str, float] = {}
+        self.extra: dict[str, Any] = {}
+
+    def loss(self, tokens: torch.Tensor) -> torch.Tensor:
+        return lm_loss(self.model, tokens)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self) -> None:
+        raise NotImplementedError
+
+    def zero_grad(self) -> None:
+        pass
+
+
+class TorchAdamW(Contender):
+    """bf16 weights for forward/backward, fp32 masters and fused AdamW on the GPU, as mixed-precision recipes do."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__(model)
+        groups = param_groups(model, WEIGHT_DECAY)
+        self.params = [p for g in groups for p in g["params"]]
+        self.masters = [p.detach().float() for p in self.params]
+        master_groups, i = [], 0
+        for g in groups:
+            n = len(g["params"])
+            master_groups.append({**g, "params": self.masters[i : i + n]})
+            i += n
+        self.opt = torch.optim.AdamW(master_groups, lr=LR, betas=BETAS, fused=True)
+
+    def step(self) -> None:
+        for p, m in zip(self.params, self.masters):
+            m.grad = p.grad.float()
+            p.grad = None
+        torch.nn.utils.clip_grad_norm_(self.masters, MAX_NORM, foreach=True)
+        self.opt.step()
+        with torch.no_grad():
+            torch._foreach_copy_(self.params, self.masters)
+
+    def zero_grad(self) -> None:
+        for m in self.masters:
+            m.grad = None
+
+
+class TorchAO(Contender):
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__(model)
+        from torchao.optim import CPUOffloadOptimizer
+
+        # offload_gradients frees each device grad once it is down; no clipping is possible then.
+        self.opt = CPUOffloadOptimizer(
+            param_groups(model, WEIGHT_DECAY), torch.optim.AdamW, offload_gradients=True, lr=LR, betas=BETAS
+        )
+        self.extra["note"] = "bf16 host params and bf16 moments (no fp32 master), no clipping"
+
+    def step(self) -> None:
+        self.opt.step()
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad()
+
+
+class DeepSpeed(Contender):
+    def __init__(self, model: torch.nn.Module, batch: int) -> None:
+        super().__init__(model)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        import deepspeed
+
+        config = {
+            "train_micro_batch_size_per_gpu": batch,
+            "gradient_accumulation_steps": 1,
+            "bf16": {"enabled": True},
+            "gradient_clipping": MAX_NORM,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "weight_decay": WEIGHT_DECAY}},
+            "zero_optimization": {
+                "stage": 2,
+                "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                "overlap_comm": True,
+                "contiguous_gradients": True,
+            },
+            "steps_per_print": 1 << 30,
+        }
+        self.engine, *_ = deepspeed.initialize(
+            model=model, model_parameters=param_groups(model, WEIGHT_DECAY), config=config
+        )
+        self.extra["deepspeed"] = deepspeed.__version__
+
+    def loss(self, tokens: torch.Tensor) -> torch.Tensor:
+        return lm_loss(self.engine, tokens)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss)
+
+    def step(self) -> None:
+        self.engine.step()
+
+
+class CpuAdamOffload(Contender):
+    def __init__(self, model: torch.nn.Module, name: str) -> None:
+        super().__init__(model)
+        from cpu_adam import OffloadOptimizer
+
+        master, states, _ = HOST_CONFIGS[name]
+        self.opt = OffloadOptimizer(
+            param_groups(model, WEIGHT_DECAY),
+            lr=LR,
+            betas=BETAS,
+            max_grad_norm=MAX_NORM,
+            master_weights_dtype=master,
+            fp32_optimizer_states=states == torch.float32,
+            stochastic_rounding=master == torch.bfloat16,
+        )
+
+    def step(self) -> None:
+        self.opt.step()
+        t = self.opt.step_timings
+        self.host_split = {"grads_wait": t["grads_wait_s"], "cpu_adam": t["norm_s"] + t["adam_s"]}
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad()
+
+    def finish(self) -> None:
+        stats = self.opt.memory_stats()
+        self.extra.update(
+            host_bytes_per_param_stats=stats["host_bytes_per_param"], device_peak_bytes=stats["device_peak_bytes"]
+        )
+
+
+def build_contender(name: str, model: torch.nn.Module, batch: int) -> Contender:
+    if name == "torch_adamw":
+        return TorchAdamW(model)
+    if name == "torchao":
+        return TorchAO(model)
+    if name == "deepspeed":
+        return DeepSpeed(model, batch)
+    if name in HOST_CONFIGS:
+        return CpuAdamOffload(model, name)
+    raise SystemExit(f"unknown contender {name!r}; choose from {', '.join(CONTENDERS)}")
+
+
+# -- measuring one contender (in its own process) ---------------------------------------------------
+
+
+def memcpy_stats(run_step: Callable[[], None]) -> dict[str, dict[str, float]]:
+    """Bytes and busy time of the host<->device copies of one step, from the profiler's trace."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda() else [])
+    with profile(activities=activities) as prof:
+        run_step()
+        sync()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    out: dict[str, dict[str, float]] = {}
+    for e in events:
+        name = e.get("name", "")
+        if e.get("cat") != "gpu_memcpy" or ("HtoD" not in name and "DtoH" not in name):
+            continue
+        kind = name.removeprefix("Memcpy ")
+        row = out.setdefault(kind, {"bytes": 0.0, "busy_s": 0.0, "copies": 0})
+        row["bytes"] += float(e.get("args", {}).get("bytes", 0))
+        row["busy_s"] += float(e.get("dur", 0)) * 1e-6
+        row["copies"] += 1
+    return out
+
+
+def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    torch.manual_seed(0)
+    device = torch.device("cuda" if on_cuda() else "cpu")
+    with device:
+        model = GPT(args.vocab, args.dim, args.layers, args.heads, args.seq)
+    model.to(torch.bfloat16)
+    params = sum(p.numel() for p in model.parameters())
+    gen = torch.Generator().manual_seed(1)
+    data = [torch.randint(args.vocab, (args.batch, args.seq + 1), generator=gen) for _ in range(4)]
+    data = [d.to(device) for d in data]
+    sync()
+    weights = device_memory()
+    rss0 = rss_bytes()
+    if on_cuda():
+        torch.cuda.reset_peak_memory_stats()
+    t = time.perf_counter()
+    c = build_contender(name, model, args.batch)
+    sync()
+    build_s = time.perf_counter() - t
+    construction_peak = device_memory(peak=True)
+
+    def train_step(i: int) -> float:
+        loss = c.loss(data[i % len(data)])
+        c.backward(loss)
+        c.step()
+        c.zero_grad()
+        return loss
+
+    for i in range(args.warmup):  # JIT builds, allocator warm-up, lazily allocated buffers
+        train_step(i)
+    sync()
+
+    t0 = time.perf_counter()
+    for i in range(args.steps):
+        last_loss = train_step(i)
+    sync()
+    step_s = (time.perf_counter() - t0) / args.steps
+
+    phases: dict[str, list[float]] = {k: [] for k in ("forward", "backward", "step_call", "upload_tail")}
+    host: dict[str, list[float]] = {}
+    for i in range(args.split_steps):
+        sync()
+        ta = time.perf_counter()
+        loss = c.loss(data[i % len(data)])
+        sync()
+        tb = time.perf_counter()
+        c.backward(loss)
+        stream_sync()
+        tc = time.perf_counter()
+        c.step()
+        td = time.perf_counter()
+        sync()
+        te = time.perf_counter()
+        c.zero_grad()
+        for key, value in zip(phases, (tb - ta, tc - tb, td - tc, te - td)):
+            phases[key].append(value)
+        for key, value in c.host_split.items():
+            host.setdefault(key, []).append(value)
+
+    copies = memcpy_stats(lambda: train_step(0))
+    peak = device_memory(peak=True)
+    rss = rss_bytes()
+    if hasattr(c, "finish"):
+        c.finish()
+    split = {k: statistics.median(v) for k, v in {**phases, **host}.items()}
+    return {
+        "contender": name,
+        "params": params,
+        "tokens_per_s": args.batch * args.seq / step_s,
+        "step_s": step_s,
+        "split_s": split,
+        "exposed_optimizer_s": step_s - split["forward"] - split["backward"],
+        "build_s": build_s,
+        "device_weights_bytes": weights,
+        "device_peak_bytes": peak,
+        "device_peak_construction_beyond_weights": construction_peak - weights,
+        "host_rss_bytes_per_param": (rss - rss0) / params,
+        "copies": copies,
+        "final_loss": float(last_loss),
+        **c.extra,
+    }
+
+
+def worker(name: str, args: argparse.Namespace, out_path: str) -> None:
+    try:
+        result = measure(name, args)
+    except torch.cuda.OutOfMemoryError as e:
+        result = {"contender": name, "error": f"out of device memory: {str(e).splitlines()[0]}"}
+    except ImportError as e:
+        result = {"contender": name, "error": f"not installed: {e}"}
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+
+
+# -- probes and the report --------------------------------------------------------------------------
+
+
+def pcie_probe(nbytes: int = 1 << 30, reps: int = 5) -> dict[str, float]:
+    """GB/s of one large pinned host<->device copy each way, alone on the bus."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    out = {}
+    for label, dst, src in (("down_GBps", host, dev), ("up_GBps", dev, host)):
+        times = []
+        for _ in range(reps + 1):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src, non_blocking=True)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e-3)
+        out[label] = nbytes / statistics.median(times[1:]) / 1e9
+    return out
+
+
+def cpu_probe(numel: int, reps: int = 5) -> dict[str, float]:
+    """GB/s of cpu_adam's bandwidth probe on every core, for the bytes of each host step config."""
+    from cpu_adam import ops
+
+    out = {}
+    for name, (master, states, bytes_per_param) in HOST_CONFIGS.items():
+        p = torch.zeros(numel, dtype=master)
+        g = torch.zeros(numel, dtype=torch.bfloat16)
+        m, v = torch.zeros(numel, dtype=states), torch.zeros(numel, dtype=states)
+        times = []
+        for _ in range(reps + 1):
+            t = time.perf_counter()
+            ops.bandwidth_probe([p], [g], [m], [v], bf16_outs=[g])
+            times.append(time.perf_counter() - t)
+        out[name] = numel * bytes_per_param / statistics.median(times[1:]) / 1e9
+        del p, g, m, v
+    return out
+
+
+def _copy_rate(rows: dict[str, dict[str, float]], params: int) -> tuple[float, float]:
+    """(GB/s while copying, bytes per param) of one direction's copies."""
+    b = sum(x["bytes"] for x in rows.values())
+    busy = sum(x["busy_s"] for x in rows.values())
+    return (b / busy / 1e9 if busy else 0.0), b / params
+
+
+def report(results: list[dict[str, Any]], probes: dict[str, Any]) -> str:
+    lines = [
+        f"device {probes['device']}, {probes['cpus']} CPUs, torch {probes['torch']}, {probes['torch_threads']} threads",
+        f"PCIe probe (pinned, 1 GiB): down {probes['pcie']['down_GBps']:.1f} GB/s, "
+        f"up {probes['pcie']['up_GBps']:.1f} GB/s",
+        "CPU bandwidth probe: " + ", ".join(f"{k} {v:.1f} GB/s" for k, v in probes["cpu_GBps"].items()),
+        "",
+    ]
+    ok = [r for r in results if "error" not in r]
+    ref = {r["contender"]: r["tokens_per_s"] for r in ok}
+    head = (
+        f"{'contender':<15}{'tokens/s':>10}{'step ms':>9}{'fwd':>7}{'bwd':>7}{'step()':>8}{'tail':>7}"
+        f"{'exposed':>9}{'grads':>7}{'adam':>7}{'adam GB/s':>10}{'% probe':>8}{'peak GiB':>9}{'host B/p':>9}"
+        f"{'down GB/s':>10}{'up GB/s':>8}{'B/p down':>9}{'B/p up':>7}"
+    )
+    lines.append(head)
+    for r in results:
+        if "error" in r:
+            lines.append(f"{r['contender']:<15}{r['error']}")
+            continue
+        s = {k: v * 1e3 for k, v in r["split_s"].items()}
+        down = {k: v for k, v in r["copies"].items() if "DtoH" in k}
+        up = {k: v for k, v in r["copies"].items() if "HtoD" in k}
+
+        down_rate, down_bp = _copy_rate(down, r["params"])
+        up_rate, up_bp = _copy_rate(up, r["params"])
+        adam_gbps = pct = ""
+        if "cpu_adam" in s and r["contender"] in HOST_CONFIGS:
+            gbps = r["params"] * HOST_CONFIGS[r["contender"]][2] / (s["cpu_adam"] * 1e-3) / 1e9
+            adam_gbps, pct = f"{gbps:.1f}", f"{100 * gbps / probes['cpu_GBps'][r['contender']]:.0f}"
+        lines.append(
+            f"{r['contender']:<15}{r['tokens_per_s']:>10.0f}{r['step_s'] * 1e3:>9.1f}{s['forward']:>7.1f}"
+            f"{s['backward']:>7.1f}{s['step_call']:>8.1f}{s['upload_tail']:>7.1f}{r['exposed_optimizer_s'] * 1e3:>9.1f}"
+            f"{s.get('grads_wait', float('nan')):>7.1f}{s.get('cpu_adam', float('nan')):>7.1f}{adam_gbps:>10}{pct:>8}"
+            f"{r['device_peak_bytes'] / 2**30:>9.2f}{r['host_rss_bytes_per_param']:>9.2f}"
+            f"{down_rate:>10.1f}{up_rate:>8.1f}{down_bp:>9.2f}{up_bp:>7.2f}"
+        )
+    lines.append("")
+    for mine in HOST_CONFIGS:
+        if mine in ref:
+            peers = [o for o in ("deepspeed", "torchao", "torch_adamw") if o in ref]
+            vs = ", ".join(f"{ref[mine] / ref[o]:.2f}x {o}" for o in peers)
+            lines.append(f"{mine} tokens/s: {vs}")
+    return "\n".join(lines)
+
+
+def plot(results: list[dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in results if "error" not in r]
+    names = [r["contender"] for r in ok]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    bottom = [0.0] * len(ok)
+    for key, label in (
+        ("forward", "forward"),
+        ("backward", "backward"),
+        ("step_call", "step() (grads wait, CPU Adam, uploads launched)"),
+        ("upload_tail", "upload tail after step()"),
+    ):
+        values = [r["split_s"][key] * 1e3 for r in ok]
+        ax.bar(names, values, bottom=bottom, label=label)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.scatter(names, [r["step_s"] * 1e3 for r in ok], color="black", zorder=3, label="step, back to back (no syncs)")
+    ax.set_ylabel("ms per training step")
+    p = ok[0]["params"] / 1e9 if ok else 0
+    ax.set_title(f"Offload training on one GPU: {p:.2f}B params, time per step by phase")
+    ax.legend(fontsize=8)
+    plt.setp(ax.get_xticklabels(), rotation=15)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--contenders", default=",".join(CONTENDERS))
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--dim", type=int, default=2048)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--vocab", type=int, default=50304)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--split-steps", type=int, default=3)
+    parser.add_argument("--probe-numel", type=int, default=1 << 27)
+    parser.add_argument("--timeout", type=int, default=300, help="seconds per contender")
+    parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--plot", metavar="PATH")
+    parser.add_argument("--allow-cpu", action="store_true", help="a smoke run of the CPU-capable contenders")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker, args, args.out)
+        return
+
+    if not on_cuda() and not args.allow_cpu:
+        raise SystemExit("bench_gpu_offload.py needs a CUDA GPU (bench_offload.py runs on the CPU)")
+    probes = {
+        "device": torch.cuda.get_device_name() if on_cuda() else "cpu",
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "pcie": pcie_probe() if on_cuda() else {"down_GBps": 0.0, "up_GBps": 0.0},
+        "cpu_GBps": cpu_probe(args.probe_numel),
+    }
+    gc.collect()
+    print(report([], probes), flush=True)
+    results = []
+    passthrough = [a for a in sys.argv[1:] if not a.startswith(("--json", "--plot", "--contenders"))]
+    passthrough = [a for a in passthrough if a not in (args.json, args.plot, args.contenders)]
+    for name in args.contenders.split(","):
+        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+            out = f.name
+        cmd = [sys.executable, __file__, *passthrough, "--worker", name, "--out", out]
+        t = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, timeout=args.timeout, capture_output=True, text=True)
+            with open(out) as f:
+                result = json.load(f)
+        except subprocess.TimeoutExpired:
+            result = {"contender": name, "error": f"timed out after {args.timeout} s"}
+        except (OSError, json.JSONDecodeError):
+            tail = (proc.stderr or "").strip().splitlines()[-3:]
+            result = {"contender": name, "error": f"failed (exit {proc.returncode}): {' | '.join(tail)}"[:400]}
+        with contextlib.suppress(OSError):
+            os.unlink(out)
+        result["wall_s"] = time.perf_counter() - t
+        results.append(result)
+        print(f"{name}: {json.dumps(result)}", flush=True)
+    print(report(results, probes))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"probes": probes, "config": vars(args), "results": results}, f, indent=2)
+    if args.plot:
+        plot(results, args.plot)
+
+
+if __name__ == "__main__":
+    main()
