@@ -92,6 +92,12 @@ class ShardComm:
     def all_reduce_sum(self, t: Tensor) -> None:
         self._call("all-reduce of the grad norm", dist.all_reduce, t)
 
+    def all_reduce_max(self, t: Tensor) -> None:
+        self._call("all-reduce of which params got grads", dist.all_reduce, t, op=dist.ReduceOp.MAX)
+
+    def broadcast_from_rank0(self, t: Tensor) -> None:
+        self._call("broadcast of rank 0's weights", dist.broadcast, t, src=dist.get_global_rank(self.group, 0))
+
     def check_same(self, what: str, value: Any, fix: str) -> None:
         """Raises unless every rank passes an equal ``value`` (compared by a hash, in one all-reduce)."""
         digest = int.from_bytes(hashlib.sha256(repr(value).encode()).digest()[:7], "little")

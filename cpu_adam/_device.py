@@ -38,6 +38,10 @@ class DeviceOps:
         """True when device tensors are host memory the kernel can read and write directly."""
         return not self.is_cuda
 
+    def is_capturing(self) -> bool:
+        """True while the current stream is being captured into a CUDA graph."""
+        return self.is_cuda and torch.cuda.is_current_stream_capturing()
+
     def host_buffer(self, numel: int, dtype: torch.dtype) -> HostBuffer:
         return HostBuffer(numel, dtype, pin=self.is_cuda)
 

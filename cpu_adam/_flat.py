@@ -14,6 +14,7 @@ bucket starting at flat offset s lies at host offset s / world_size.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import torch
@@ -106,3 +107,18 @@ class FlatLayout:
 
     def param_range(self, i: int) -> tuple[int, int]:
         return self.offsets[i], self.offsets[i] + self.numels[i]
+
+    def segments(self, lo: int, hi: int, host: int) -> list[tuple[int, int, int, int]]:
+        """(param, flat start, flat end, host start) of each param's part in flat ``[lo, hi)``.
+
+        ``host`` is where flat element ``lo`` lies in the host buffers; padding is left out.
+        """
+        out = []
+        for i in range(max(0, bisect.bisect_right(self.offsets, lo) - 1), len(self.offsets)):
+            start, end = self.param_range(i)
+            if start >= hi:
+                break
+            start, end = max(start, lo), min(end, hi)
+            if start < end:
+                out.append((i, start, end, host + start - lo))
+        return out

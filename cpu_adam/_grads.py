@@ -1,22 +1,28 @@
-"""The backward side of the offload optimizer: per-group buffers, and grads from device to host.
+"""The backward side of the offload optimizer: per-group host storage, and grads from device to host.
 
+Params keep their own device storage; the flat layout (``_flat.py``) exists on the host only.
 A post-accumulate-grad hook packs each grad into its bucket's staging area and frees the grad
 at once. A complete bucket has its squared norm taken on the device and is copied down, on a
 side stream, into the group's pinned bf16 buffer; its staging area is freed only once the
-host has seen the copy's event complete, and at most ``max_inflight`` copies stay pending,
-which bounds device memory for grads by a few buckets.
+host has seen the copy's event complete, and at most ``max_inflight`` copies stay pending.
 
-Every backward sends every bucket down exactly once: the end-of-backward callback flushes the
-buckets some of whose params got no grad, with zeros for those. From the second backward of an
-accumulation window on, the grads the previous backward left in the pinned buffer are folded
-into an fp32 host accumulator (allocated on first use: 4 bytes per param) just before they are
-overwritten, so micro-batches are summed in fp32, never in bf16.
+What a window (the backward passes since the last step) sends down is counted per bucket:
+each flush of a bucket is one contribution to its grad. A bucket flushed more than once (a
+second micro-batch, a param used in two reentrant-checkpointed segments, a bucket flushed
+early to bound device memory) has its earlier contributions folded into an fp32 host
+accumulator (allocated on first use: 4 bytes per param) just before the pinned slice is
+overwritten, so contributions are summed in fp32, never in bf16. A param that got no grad in
+the window is left alone by the step, as torch's optimizers leave it.
 
-With ZeRO (a ``ShardComm``) the staging area always holds the whole bucket on the device; the
-flush reduce-scatters it (a sum: the optimizer folds the 1/N of the average into its grad
-scale) and only this rank's piece goes down. Every rank must flush its buckets in the same
-order for the collectives to pair up; ``launch_order`` fingerprints the order so the step can
-check it.
+The end of a backward pass is seen through a callback queued on each autograd graph task a
+hook fired in: reentrant checkpointing runs nested graph tasks, whose callbacks only flush;
+the outermost one closes a micro-batch. A backward that raised never runs its callback: the
+step refuses to run on its partial grads until ``zero_grad()`` drops them.
+
+With ZeRO (a ``ShardComm``) the staging area holds the whole bucket; the flush
+reduce-scatters it (a sum: the optimizer folds the 1/N of the average into its grad scale)
+and only this rank's piece goes down. Every rank must flush its buckets in the same order;
+``launch_order`` fingerprints the order so the step can check it.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import math
 import weakref
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -37,17 +43,21 @@ from ._pinned import HostBuffer
 
 __all__ = ["GradCollector", "GroupBuffers"]
 
+# Staging areas open at once (partly packed buckets): a bucket whose params do not all arrive
+# (unused params, an order unlike the registration order) is flushed early beyond this.
+OPEN_BUCKETS = 2
+
 
 @dataclass
 class BucketState:
-    staging: Tensor | None = None  # grads being packed during the current backward
-    flushes: int = 0  # backward passes of this accumulation window that sent this bucket down
-    arrived: int = 0  # params of the bucket whose grad the current backward packed
+    staging: Tensor | None = None  # grads being packed since the bucket was last flushed
+    packed: set[int] = field(default_factory=set)  # params packed into the open staging area
+    flushes: int = 0  # contributions sent down in this window
     event: Event = None  # completion of its last copy down
 
 
 class GroupBuffers:
-    """One param group: its flat device buffer, and the host buffers for this process's shard."""
+    """One param group: its params (each with its own device storage) and the host buffers of this shard."""
 
     def __init__(
         self,
@@ -62,12 +72,6 @@ class GroupBuffers:
     ) -> None:
         self.params = params
         self.layout = layout = FlatLayout([p.shape for p in params], bucket_size, world_size=world_size, rank=rank)
-        self.flat = torch.zeros(layout.numel, dtype=torch.bfloat16, device=dev.device)
-        with torch.no_grad():
-            for i, p in enumerate(params):
-                lo, hi = layout.param_range(i)
-                self.flat[lo:hi].copy_(p.detach().reshape(-1))
-                p.data = self.flat[lo:hi].view(p.shape)
         n = layout.shard_numel
         # Filled from the device weights at the first step, so weights loaded into the model
         # after the optimizer was built are the ones trained.
@@ -78,8 +82,21 @@ class GroupBuffers:
         self.grads: HostBuffer = dev.host_buffer(n, torch.bfloat16)  # grads down, then weights up
         self.accumulator: Tensor | None = None
         self.buckets = [BucketState() for _ in layout.buckets]
-        self.arrived = [False] * len(params)
-        self.step = 0
+        self.got = [False] * len(params)  # which params got a grad in this window
+        self.steps = [0] * len(params)  # Adam steps taken by each param (as torch counts them)
+        self.bucket_sq: Tensor | None = None  # on the device: each bucket's squared norm
+
+    def weights(self, i: int) -> Tensor:
+        """Param ``i``'s own storage, flat."""
+        return self.params[i].detach().view(-1)
+
+    def piece_segments(self, b: int) -> list[tuple[int, slice, slice]]:
+        """(param, slice of its elements, slice of the host buffers) of this rank's piece of bucket ``b``."""
+        piece = self.layout.pieces[b]
+        return [
+            (i, slice(lo - self.layout.offsets[i], hi - self.layout.offsets[i]), slice(host, host + hi - lo))
+            for i, lo, hi, host in self.layout.segments(piece.flat, piece.flat + piece.numel, piece.host)
+        ]
 
     def host_slice(self, b: int) -> tuple[slice, slice] | None:
         """(slice of the bucket's staging area, slice of the host buffers) of this rank's piece."""
@@ -88,10 +105,6 @@ class GroupBuffers:
             return None
         start = piece.flat - self.layout.buckets[b].start
         return slice(start, start + piece.numel), slice(piece.host, piece.host + piece.numel)
-
-    def device_pieces(self) -> list[tuple[Tensor, slice]]:
-        """(view of the flat device weights, slice of the host buffers) for each of this rank's pieces."""
-        return [(self.flat[p.flat : p.flat + p.numel], slice(p.host, p.host + p.numel)) for p in self.layout.pieces]
 
 
 class GradCollector:
@@ -105,9 +118,10 @@ class GradCollector:
         self.launch_order = 0  # a hash of the (group, bucket) sequence reduced in this window
         self._groups = groups
         self._max_inflight = max_inflight
-        self.micro = 0  # backward passes in the current accumulation window
-        self._callback_queued = False
-        self._sq_norm: Tensor | None = None  # on the device: the buckets' squared norms, summed
+        self.micro = 0  # user backward passes completed in this window
+        self._running: set[int] = set()  # graph tasks with our callback queued that have not ended
+        self._outer: int | None = None  # the graph task of the user backward in progress
+        self._open: deque[tuple[GroupBuffers, int]] = deque()  # buckets with a staging area, oldest first
         self._inflight: deque[tuple[Event, list[Tensor]]] = deque()
         self.device_bytes = 0
         self.device_peak_bytes = 0
@@ -123,32 +137,64 @@ class GradCollector:
             handle.remove()
         self._hooks = []
 
+    # -- backward ---------------------------------------------------------------------------
+
     def _on_grad(self, g: int, i: int, param: Tensor) -> None:
         grad = param.grad
         if grad is None:
             return
+        if self._dev.is_capturing():
+            raise RuntimeError(
+                "cpu_adam.OffloadOptimizer: backward is being captured in a CUDA graph, but the optimizer's grad "
+                "hooks copy to host memory and wait on the host, which a graph cannot hold. Capture the forward "
+                "only (torch.cuda.make_graphed_callables on the model's blocks), or train without CUDA graphs"
+            )
         if grad.layout != torch.strided:
             raise RuntimeError(
                 f"cpu_adam.OffloadOptimizer: the parameter of shape {tuple(param.shape)} got a {grad.layout} "
                 "gradient; the offload optimizer needs dense gradients (e.g. nn.Embedding(..., sparse=False))"
             )
-        if not self._callback_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-            self._callback_queued = True
+        self._track_graph_task()
         group = self._groups[g]
         b = group.layout.bucket_of[i]
-        bucket, state = group.layout.buckets[b], group.buckets[b]
+        state = group.buckets[b]
         if state.staging is None:
-            self._open(group, b)
+            self._open_bucket(group, b)
+        bucket = group.layout.buckets[b]
         lo, hi = group.layout.param_range(i)
-        state.staging[lo - bucket.start : hi - bucket.start].view(param.shape).copy_(grad)
+        target = state.staging[lo - bucket.start : hi - bucket.start].view(param.shape)
+        if i in state.packed:  # a second grad in one backward (reentrant checkpointing): summed
+            target.add_(grad)
+        else:
+            target.copy_(grad)
+            state.packed.add(i)
         param.grad = None  # the compute stream orders any reuse of this memory after the copy
-        group.arrived[i] = True
-        state.arrived += 1
-        if state.arrived == bucket.last - bucket.first:
+        group.got[i] = True
+        if len(state.packed) == bucket.last - bucket.first:
             self._flush(group, b)
 
-    def _open(self, group: GroupBuffers, b: int) -> None:
+    def _track_graph_task(self) -> None:
+        task = torch._C._current_graph_task_id()
+        if task in self._running:
+            return
+        if not self._running:
+            self._outer = task  # no backward in progress: this one is a user's
+        self._running.add(task)
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: self._end_graph_task(task))
+
+    def _end_graph_task(self, task: int) -> None:
+        self._running.discard(task)
+        while self._open:
+            group, b = self._open[0]
+            self._flush(group, b)
+        if task == self._outer:
+            self._outer = None
+            self.micro += 1
+
+    def _open_bucket(self, group: GroupBuffers, b: int) -> None:
+        if len(self._open) >= OPEN_BUCKETS:
+            oldest, ob = self._open[0]
+            self._flush(oldest, ob)  # params still to come re-open it: a second contribution
         state = group.buckets[b]
         if state.flushes > 0:
             self._fold(group, b)
@@ -160,10 +206,13 @@ class GradCollector:
         else:
             # ZeRO: the whole bucket is packed on the device, for the reduce-scatter.
             state.staging = torch.zeros(bucket.numel, dtype=torch.bfloat16, device=self._dev.device)
+        if self._dev.host_addressable:
+            state.staging.zero_()  # padding and params that do not arrive contribute zeros
         self._count_device(state.staging)
+        self._open.append((group, b))
 
     def _fold(self, group: GroupBuffers, b: int) -> None:
-        """Adds the grads the previous backward left in the pinned buffer into the fp32 accumulator."""
+        """Adds the contribution the pinned buffer holds for bucket ``b`` into the fp32 accumulator."""
         state = group.buckets[b]
         where = group.host_slice(b)
         if where is None:
@@ -179,19 +228,14 @@ class GradCollector:
 
     def _flush(self, group: GroupBuffers, b: int) -> None:
         state = group.buckets[b]
-        if state.staging is None:
-            self._open(group, b)
+        self._open.remove((group, b))
         bucket = group.layout.buckets[b]
         staging = state.staging
-        for i in range(bucket.first, bucket.last):
-            if not group.arrived[i]:
-                lo, hi = group.layout.param_range(i)
-                staging[lo - bucket.start : hi - bucket.start].zero_()
         where = group.host_slice(b)
         held = [staging]
         with self._dev.side_stream():
-            if self._sq_norm is None:
-                self._sq_norm = torch.zeros((), dtype=torch.float32, device=self._dev.device)
+            if group.bucket_sq is None:
+                group.bucket_sq = torch.zeros(len(group.buckets), dtype=torch.float32, device=self._dev.device)
             mine = staging if where is None else staging[where[0]]
             if self._comm is not None and bucket.numel > 0:
                 self.launch_order = (self.launch_order * 1_000_003 + self._index[id(group)] * 65_537 + b) % (1 << 61)
@@ -203,12 +247,13 @@ class GradCollector:
                     mine = torch.empty_like(staging[where[0]])
                     held.append(self._count_device(mine))
                 self._comm.reduce_scatter(mine, staging)
-            self._sq_norm += torch.linalg.vector_norm(mine, dtype=torch.float32).square()
+            if state.flushes == 0:  # a bucket flushed again has its norm taken on the host
+                group.bucket_sq[b] = torch.linalg.vector_norm(mine, dtype=torch.float32).square()
             if where is not None:
                 self._dev.copy(group.grads.tensor[where[1]], mine)
             state.event = self._dev.record()
         state.staging = None
-        state.arrived = 0
+        state.packed = set()
         state.flushes += 1
         self._inflight.append((state.event, held))
         self._reap(self._max_inflight)
@@ -227,55 +272,67 @@ class GradCollector:
             if not self._dev.host_addressable:
                 self.device_bytes -= sum(t.numel() * t.element_size() for t in held)
 
-    def _end_backward(self) -> None:
-        self._callback_queued = False
-        for group in self._groups:
-            if group is None:
-                continue
-            for b, state in enumerate(group.buckets):
-                if state.flushes <= self.micro:
-                    self._flush(group, b)
-            group.arrived = [False] * len(group.params)
-        self.micro += 1
+    # -- the step's view of the window ------------------------------------------------------
+
+    @property
+    def has_grads(self) -> bool:
+        return any(any(g.got) for g in self._groups if g is not None)
+
+    def check_finished(self) -> None:
+        """Raises when a backward of this window did not run to its end (it raised half-way)."""
+        if self._running:
+            raise RuntimeError(
+                "cpu_adam.OffloadOptimizer: a backward pass did not finish (it raised, e.g. out of memory) and "
+                "left partial gradients; call optimizer.zero_grad() to drop them before the next step()"
+            )
 
     def wait_all(self) -> None:
         """Returns once every copy down has landed in the host buffers."""
         self._reap(0)
 
-    def sq_norm(self) -> float:
-        """This rank's squared grad norm of the window (after ``wait_all``); folds in the last backward.
+    def finish_window(self) -> float:
+        """After ``wait_all``: sums each bucket's contributions, returns this rank's squared grad norm.
 
         With ZeRO: of its pieces of the grads summed over ranks.
         """
-        sq = self._sq_norm.item()
-        if self.micro == 1 or not math.isfinite(sq):
-            return sq
-        # The norm of a sum is not the sum of the micro-batches' norms: take it on the host.
-        total = 0.0
+        device_sq = []
+        host_sq = 0.0
         for group in self._groups:
-            if group is not None:
-                group.accumulator.add_(group.grads.tensor)
-                total += torch.linalg.vector_norm(group.accumulator, dtype=torch.float64).item() ** 2
-        return total
+            if group is None:
+                continue
+            for b, state in enumerate(group.buckets):
+                where = group.host_slice(b)
+                if state.flushes == 1:
+                    device_sq.append(group.bucket_sq[b])
+                elif state.flushes > 1 and where is not None:
+                    acc = group.accumulator[where[1]]
+                    acc.add_(group.grads.tensor[where[1]])
+                    host_sq += torch.linalg.vector_norm(acc, dtype=torch.float64).item() ** 2
+        sq = float(torch.stack(device_sq).sum()) if device_sq else 0.0
+        return sq + host_sq if math.isfinite(sq) else sq
 
-    def grads_of(self, group: GroupBuffers) -> Tensor:
-        """The window's summed grads of a group (after ``norm``)."""
-        return group.accumulator if self.micro > 1 else group.grads.tensor
+    def grads_of(self, group: GroupBuffers, b: int) -> Tensor:
+        """The window's summed grads of bucket ``b`` (after ``finish_window``), in host-buffer coordinates."""
+        return group.accumulator if group.buckets[b].flushes > 1 else group.grads.tensor
 
     def reset(self) -> None:
         """Forgets the window's grads: the next backward starts a new one."""
         self.micro = 0
-        self._sq_norm = None
         self.launch_order = 0
+        self._running.clear()
+        self._outer = None
+        self._open.clear()
         for group in self._groups:
-            if group is not None:
-                group.arrived = [False] * len(group.params)
-                for state in group.buckets:
-                    if state.staging is not None and not self._dev.host_addressable:
-                        self.device_bytes -= state.staging.numel() * state.staging.element_size()
-                    state.staging = None
-                    state.arrived = 0
-                    state.flushes = 0
+            if group is None:
+                continue
+            group.got = [False] * len(group.params)
+            group.bucket_sq = None
+            for state in group.buckets:
+                if state.staging is not None and not self._dev.host_addressable:
+                    self.device_bytes -= state.staging.numel() * state.staging.element_size()
+                state.staging = None
+                state.packed = set()
+                state.flushes = 0
 
 
 def _make_hook(ref: weakref.ref[GradCollector], g: int, i: int) -> Callable[[Tensor], None]:

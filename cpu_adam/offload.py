@@ -1,23 +1,25 @@
 """The offload optimizer: bf16 weights on the device, master weights and Adam states in host RAM.
 
 Data flow per step (``_device.py`` turns the copies and waits into no-ops on the CPU):
-- construction: each param group's trainable params are copied into one flat bf16 device
-  buffer and re-pointed as views of it; host buffers hold this process's shard of it.
+- construction: the model stays an ordinary model, each param with its own device storage;
+  the flat layout of each param group (buckets, ZeRO pieces) exists in host buffers only.
 - backward (``_grads.py``): hooks pack the grads into buckets that go down, on a side stream,
   into one pinned bf16 host buffer per group; device memory for grads stays a few buckets.
 - step: wait for the copies, take the global norm (clipping scale, non-finite skip), run the
-  kernel chunk by chunk writing bf16 weights into the pinned buffer in place of the grads,
-  and copy each chunk up while the next computes. The compute stream waits on the upload's
-  event, so the next forward is ordered after it without the host waiting.
+  kernel bucket by bucket writing bf16 weights into the pinned buffer in place of the grads,
+  and copy each bucket's weights up into the params' own storage while the next computes. The
+  compute stream waits on the upload's event, so the next forward is ordered after it without
+  the host waiting. Params that got no grad in the window are left alone, as torch does.
 
 Gradient accumulation sums the micro-batches' grads in an fp32 host accumulator, allocated
-when a second backward comes before a step (4 bytes per param, reported by ``memory_stats``).
+when a bucket is sent down a second time before a step (4 bytes per param, in ``memory_stats``).
 
 ZeRO (``process_group``): each rank owns piece ``rank`` of every bucket (``_flat.py``). Buckets
 are reduce-scattered on the device as they fill, each rank steps its pieces, and each updated
-piece goes up and is all-gathered into the flat weights on the side stream while the next
-piece computes. Grads are summed by the collectives; the kernel's ``grad_scale`` carries the
-1/N of the average (and the clipping), so averaging costs no pass. The grad norm is all-reduced.
+piece goes up into a bucket buffer on the device, is all-gathered there and copied into the
+params, on the side stream while the next piece computes. Grads are summed by the collectives;
+the kernel's ``grad_scale`` carries the 1/N of the average (and the clipping), so averaging
+costs no pass. The grad norm is all-reduced; rank 0's weights are broadcast at construction.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -73,10 +76,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
     """Adam/AdamW for a bf16 model on a GPU whose master weights and Adam states live in host RAM.
 
     ``params`` are the model's bf16 parameters (or param groups with their own ``lr``,
-    ``betas``, ``eps``, ``weight_decay``), all on one device: a CUDA GPU, or the CPU. Trainable
-    params become views of one flat buffer per group; frozen ones are left alone. Grads are
+    ``betas``, ``eps``, ``weight_decay``), all on one device: a CUDA GPU, or the CPU. Params keep
+    their own storage (the model stays an ordinary model); frozen ones are left alone. Grads are
     taken from the params during backward (``param.grad`` is None afterwards): clip with
-    ``max_grad_norm``, read the norm from ``last_grad_norm``. Host bytes per param: 14 (fp32
+    ``max_grad_norm``, read the norm from ``last_grad_norm``. ``close()`` detaches the optimizer
+    from its params (hooks removed, host buffers released). Host bytes per param: 14 (fp32
     master and states), 10 (bf16 states), 8 (bf16 master and states), see ``memory_stats()``.
 
     With ``process_group`` (a ``torch.distributed`` group, e.g. ``dist.group.WORLD``) the ranks
@@ -136,11 +140,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.last_grad_norm: float | None = None
         # Seconds the last step spent waiting for grads to come down, on the norm, on the kernel.
         self.step_timings: dict[str, float] = {}
-        self._chunk = self.bucket_size = bucket_size
+        self.bucket_size = bucket_size
+        self._closed = False
 
         trainable = [[p for p in g["params"] if p.requires_grad] for g in self.param_groups]
         self._dev = DeviceOps(self._check_params(trainable))
-        # Before the params become views of the flat buffers, so a bad group leaves the model alone.
+        _claim(trainable, self)
+        # Before anything is allocated, so a bad group leaves the model alone.
         self._comm = None if process_group is None else ShardComm(process_group, self._dev.device)
         self.world_size, self.rank = (1, 0) if self._comm is None else (self._comm.world_size, self._comm.rank)
         if self._comm is not None:
@@ -151,6 +157,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 (layout, bucket_size, str(master_weights_dtype), str(self.state_dtype), stochastic_rounding),
                 "build the optimizer on the same model, param groups and options on every rank",
             )
+            for ps in trainable:  # ranks initialised with other seeds would train a patchwork
+                for p in ps:
+                    self._comm.broadcast_from_rank0(p.detach())
         self._groups = [
             GroupBuffers(
                 ps,
@@ -166,6 +175,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             for ps in trainable
         ]
         self._grads = GradCollector(self._dev, self._groups, max_inflight_buckets, self._comm)
+        self._self = weakref.ref(self)  # wrappers that copy this __dict__ (Lightning) are not the owner
 
     # -- construction -------------------------------------------------------------------------
 
@@ -189,8 +199,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     "optimizer trains bf16 weights (master weights stay in host RAM). Convert the model first: "
                     "model.to(torch.bfloat16)"
                 )
-            if p.layout != torch.strided:
-                raise TypeError(f"cpu_adam.OffloadOptimizer: parameters must be dense tensors, got {p.layout}")
+            if p.layout != torch.strided or not p.is_contiguous():
+                raise TypeError(
+                    f"cpu_adam.OffloadOptimizer: parameters must be dense, contiguous tensors; one of shape "
+                    f"{tuple(p.shape)} is not (layout {p.layout}): make it contiguous before building the optimizer"
+                )
         devices = sorted({str(p.device) for p in params})
         if len(devices) > 1:
             raise RuntimeError(
@@ -201,20 +214,32 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     # -- step ---------------------------------------------------------------------------------
 
+    _step_supports_amp_scaling = True  # so torch.amp.GradScaler hands its scale to step(), which refuses it
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One Adam step on the grads of the backward passes since the last step or zero_grad."""
+        self._check_usable()
+        if getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None:
+            self.grad_scale = self.found_inf = None
+            raise RuntimeError(
+                "cpu_adam.OffloadOptimizer does not take a GradScaler: bf16 has float32's exponent range, so loss "
+                "scaling is not needed. Call loss.backward() and optimizer.step() without the scaler; clip with "
+                "max_grad_norm, and non-finite grads skip the step by themselves"
+            )
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         if self._comm is not None:
             self._comm.check_alive()  # also after a backward that failed on it
-        if self._grads.micro == 0:
+        self._grads.check_finished()
+        if not self._window_has_grads():
             return loss  # no grads: like torch's optimizers, leave every param as it is
         t0 = time.perf_counter()
         self._grads.wait_all()
         t1 = time.perf_counter()
+        self._check_param_storage()
         self._sync_masters()
         norm = self._global_norm()
         self.last_grad_norm = norm
@@ -241,74 +266,134 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.step_timings = {"grads_wait_s": t1 - t0, "norm_s": t2 - t1, "adam_s": time.perf_counter() - t2}
         return loss
 
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise RuntimeError("cpu_adam.OffloadOptimizer: this optimizer was closed; build a new one to train")
+        if self._dev.is_capturing():
+            raise RuntimeError(
+                "cpu_adam.OffloadOptimizer: step() cannot be captured in a CUDA graph: it waits on the host for the "
+                "grads and runs Adam on the CPU. Capture the forward only, or train without CUDA graphs"
+            )
+
+    def _window_has_grads(self) -> bool:
+        """Whether any param got a grad in this window, on any rank; with ZeRO the ranks share which did."""
+        if self._comm is None:
+            return self._grads.has_grads
+        got = torch.tensor(
+            [int(x) for group in self._groups if group is not None for x in group.got],
+            dtype=torch.int32,
+            device=self._dev.device,
+        )
+        self._comm.all_reduce_max(got)
+        flags = iter(got.tolist())
+        for group in self._groups:
+            if group is not None:
+                group.got = [bool(next(flags)) for _ in group.params]
+        return any(any(group.got) for group in self._groups if group is not None)
+
+    def _check_param_storage(self) -> None:
+        """Params changed after construction (dtype, device, shape) would be trained wrongly: refuse."""
+        for group in self._groups:
+            if group is None:
+                continue
+            for p, shape in zip(group.params, group.layout.shapes):
+                if p.dtype != torch.bfloat16 or p.device != self._dev.device or p.shape != shape:
+                    raise RuntimeError(
+                        f"cpu_adam.OffloadOptimizer: a parameter built as {tuple(shape)} bfloat16 on "
+                        f"{self._dev.device} is now {tuple(p.shape)} {p.dtype} on {p.device} (the model was converted "
+                        "or moved after the optimizer was built, e.g. model.float() or model.cuda()). Move and convert "
+                        "the model first (model.to(device, torch.bfloat16)), then build the optimizer"
+                    )
+                if not p.is_contiguous():
+                    raise RuntimeError(
+                        f"cpu_adam.OffloadOptimizer: the parameter of shape {tuple(shape)} is no longer contiguous; "
+                        "keep the params' storage contiguous (the optimizer writes the updated weights into it)"
+                    )
+
     def _global_norm(self) -> float:
         """The norm of the grads averaged over the ranks (the plain grad norm with one process)."""
-        sq = self._grads.sq_norm()
+        if self._comm is not None:
+            self._comm.check_same(
+                "the order of the grad buckets' reduce-scatters in this step",
+                self._grads.launch_order,
+                "their backward passes produced grads in different orders (e.g. a parameter used on some ranks "
+                "only), so the grads were reduced wrongly; every rank must run the same graph each step",
+            )
+        sq = self._grads.finish_window()
         if self._comm is None:
             return math.sqrt(sq)
-        self._comm.check_same(
-            "the order of the grad buckets' reduce-scatters in this step",
-            self._grads.launch_order,
-            "their backward passes produced grads in different orders (e.g. a parameter used on some ranks only), "
-            "so the grads were reduced wrongly; every rank must run the same graph each step",
-        )
         total = torch.tensor([sq], dtype=torch.float64, device=self._dev.device)
         self._comm.all_reduce_sum(total)
         return math.sqrt(float(total)) / self.world_size
 
     def _step_group(self, g: int, options: dict[str, Any], group: GroupBuffers, scale: float) -> None:
-        grads = self._grads.grads_of(group)
         beta1, beta2 = options["betas"]
-        group.step += 1
-        if self._comm is None:
-            outs = group.flat if self._dev.host_addressable else group.grads.tensor
-            n = group.layout.shard_numel
-            # Chunks let each upload overlap the next chunk's compute; with no upload, one call.
-            chunk = n if self._dev.host_addressable else self._chunk
-            pieces = [(slice(start, min(n, start + chunk)), None) for start in range(0, n, chunk)]
-        else:
-            # Each bucket's piece is gathered as soon as it is computed, while the next one computes.
-            outs = group.grads.tensor
-            pieces = [(h, b) for b, (_, h) in enumerate(group.device_pieces()) if h.stop > h.start]
-        for c, b in pieces:
-            adam_step(
-                [group.master[c]],
-                [grads[c]],
-                [group.exp_avg[c]],
-                [group.exp_avg_sq[c]],
-                step=group.step,
-                lr=float(options["lr"]),
-                beta1=float(beta1),
-                beta2=float(beta2),
-                eps=float(options["eps"]),
-                weight_decay=float(options["weight_decay"]),
-                adamw_mode=bool(options["adamw_mode"]),
-                grad_scale=scale,
-                bf16_outs=[outs[c]],
-                stochastic_rounding=self.stochastic_rounding,
-                seed=_chunk_seed(self.seed, g, c.start) if self.stochastic_rounding else 0,
-            )
-            if b is None:
-                self._dev.copy(group.flat[c], outs[c])
-            else:
-                self._publish(group, b)
+        hyper = dict(
+            lr=float(options["lr"]),
+            beta1=float(beta1),
+            beta2=float(beta2),
+            eps=float(options["eps"]),
+            weight_decay=float(options["weight_decay"]),
+            adamw_mode=bool(options["adamw_mode"]),
+            grad_scale=scale,
+            stochastic_rounding=self.stochastic_rounding,
+        )
+        stepped = [i for i, got in enumerate(group.got) if got]
+        for i in stepped:
+            group.steps[i] += 1
+        # Bucket by bucket: each bucket's upload overlaps the next one's compute.
+        for b in range(len(group.layout.buckets)):
+            grads = self._grads.grads_of(group, b)
+            by_step: dict[int, list[tuple[int, slice, slice]]] = {}
+            for i, part, host in group.piece_segments(b):
+                if group.got[i]:
+                    by_step.setdefault(group.steps[i], []).append((i, part, host))
+            for step, segments in by_step.items():
+                # On the CPU the kernel writes the new bf16 weights straight into the params.
+                direct = self._dev.host_addressable and self._comm is None
+                outs = [group.weights(i)[part] if direct else group.grads.tensor[h] for i, part, h in segments]
+                adam_step(
+                    [group.master[h] for _, _, h in segments],
+                    [grads[h] for _, _, h in segments],
+                    [group.exp_avg[h] for _, _, h in segments],
+                    [group.exp_avg_sq[h] for _, _, h in segments],
+                    step=step,
+                    bf16_outs=outs,
+                    seed=_chunk_seed(self.seed, g, group.layout.buckets[b].start) if self.stochastic_rounding else 0,
+                    **hyper,
+                )
+            self._publish(group, b, only_stepped=True)
 
-    def _publish(self, group: GroupBuffers, b: int) -> None:
-        """Uploads this rank's new bf16 weights of bucket ``b`` (in the host buffer) and all-gathers the bucket.
+    def _publish(self, group: GroupBuffers, b: int, *, only_stepped: bool) -> None:
+        """Puts this rank's new bf16 weights of bucket ``b`` (in the host buffer) into the params' storage.
 
-        Call on the side stream. On a GPU the piece goes up into its own place in the flat weights
-        and the all-gather runs in place (NCCL allows it when the input is the rank's slice of the
-        output); on the CPU the host buffer is the all-gather's input.
+        Call on the side stream. One process: each param's part goes up into its own storage.
+        ZeRO: the piece goes up into its place in a bucket buffer on the device, the bucket is
+        all-gathered there (NCCL allows it in place when the input is the rank's slice of the
+        output) and copied into the params; on the CPU the host buffer is the all-gather's input.
         """
+        wanted = group.got if only_stepped else [True] * len(group.params)
+        if self._comm is None:
+            if self._dev.host_addressable and only_stepped:
+                return  # the kernel wrote into the params
+            for i, part, host in group.piece_segments(b):
+                if wanted[i]:
+                    self._dev.copy(group.weights(i)[part], group.grads.tensor[host])
+            return
         piece, bucket = group.layout.pieces[b], group.layout.buckets[b]
         if bucket.numel == 0:
             return
+        buffer = torch.empty(bucket.numel, dtype=torch.bfloat16, device=self._dev.device)
         host = group.grads.tensor[piece.host : piece.host + piece.numel]
         if not self._dev.host_addressable:
-            mine = group.flat[piece.flat : piece.flat + piece.numel]
+            mine = buffer[piece.flat - bucket.start : piece.flat - bucket.start + piece.numel]
             self._dev.copy(mine, host)
             host = mine
-        self._comm.all_gather(group.flat[bucket.start : bucket.end], host)
+        self._comm.all_gather(buffer, host)
+        for i, lo, hi, _ in group.layout.segments(bucket.start, bucket.end, 0):
+            if wanted[i]:
+                start = group.layout.offsets[i]
+                group.weights(i)[lo - start : hi - start].copy_(buffer[lo - bucket.start : hi - bucket.start])
 
     def master_weights(self) -> list[Tensor]:
         """The host master weight of each trainable param (param_groups order, tied params once), as views."""
@@ -329,12 +414,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def _sync_masters(self) -> None:
         for group in self._groups:
             if group is not None and not group.master_synced:
-                for weights, h in group.device_pieces():
-                    group.master[h].copy_(weights)
+                for b in range(len(group.layout.buckets)):
+                    for i, part, host in group.piece_segments(b):
+                        group.master[host].copy_(group.weights(i)[part])
                 group.master_synced = True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Discards the grads of the backward passes so far: a new accumulation window begins."""
+        """Discards the grads of the backward passes so far (a failed one's too): a new window begins."""
         self._grads.wait_all()
         self._grads.reset()
         for options in self.param_groups:
@@ -344,6 +430,22 @@ class OffloadOptimizer(torch.optim.Optimizer):
                         p.grad = None
                     else:
                         p.grad.detach_().zero_()
+
+    def close(self) -> None:
+        """Detaches the optimizer from its params: hooks removed, copies finished, pinned memory released.
+
+        Params can then be given to a new optimizer. Called by ``__del__`` too.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._grads.remove_hooks()
+        self._dev.synchronize()
+        self._grads.reset()
+        for group in self._groups:
+            if group is not None:
+                group.grads.close()
+        _release(self)
 
     # -- memory and checkpoints ---------------------------------------------------------------
 
@@ -371,7 +473,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             "pinned_bytes": pinned,
             "pinned": any(g.grads.pinned for g in groups),
             "accumulator_bytes": accumulator,
-            "weights_bytes": sum(nbytes(g.flat) for g in groups),
+            "weights_bytes": sum(p.numel() * p.element_size() for g in groups for p in g.params),
             "device_bytes": self._grads.device_bytes,
             "device_peak_bytes": self._grads.device_peak_bytes,
         }
@@ -390,7 +492,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         for g, group in enumerate(self._groups):
             if group is not None:
                 state[g] = {
-                    "step": group.step,
+                    "step": max(group.steps),
+                    "param_steps": list(group.steps),
                     "master": group.master,
                     "exp_avg": group.exp_avg,
                     "exp_avg_sq": group.exp_avg_sq,
@@ -457,16 +560,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 for name in ("master", "exp_avg", "exp_avg_sq"):
                     tensor = saved[name] if zero is not None else full_to_shard(saved[name], group.layout)
                     getattr(group, name).copy_(tensor)
-                group.step = int(saved["step"])
+                group.steps = [int(x) for x in saved.get("param_steps", [saved["step"]] * len(group.params))]
                 group.master_synced = True
-                if self._comm is None:
-                    group.flat.copy_(group.master)
-                else:
-                    group.grads.tensor.copy_(group.master)  # rounded to bf16 as the kernel rounds its outputs
-                    with self._dev.side_stream():
-                        for b in range(len(group.layout.buckets)):
-                            self._publish(group, b)
-                    self._dev.synchronize()  # before the host buffer receives grads again
+                # The device weights from the masters, rounded to bf16 as the kernel rounds its outputs.
+                group.grads.tensor.copy_(group.master)
+                with self._dev.side_stream():
+                    for b in range(len(group.layout.buckets)):
+                        self._publish(group, b, only_stepped=False)
+                self._dev.synchronize()  # before the host buffer receives grads again
         for options, saved in zip(self.param_groups, saved_groups):
             options.update({k: v for k, v in saved.items() if k != "params"})
         self.seed = int(state_dict["seed"])
@@ -475,9 +576,34 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._grads.reset()
 
     def __del__(self) -> None:
-        # Pending copies must finish before the pinned buffers are unregistered and freed.
+        # Only the optimizer itself: Lightning's wrapper copies this __dict__ and must not close it.
         try:
-            self._grads.remove_hooks()
-            self._dev.synchronize()
+            if self.__dict__.get("_self") is not None and self._self() is self:
+                self.close()
         except Exception:
             pass
+
+
+def _claim(groups: list[list[Tensor]], owner: OffloadOptimizer) -> None:
+    """Marks the params as trained by ``owner``; a param another live optimizer trains is refused."""
+    for ps in groups:
+        for p in ps:
+            ref = getattr(p, "_cpu_adam_offload_owner", None)
+            other = ref() if ref is not None else None
+            if other is not None and other is not owner and not other._closed:
+                raise RuntimeError(
+                    f"cpu_adam.OffloadOptimizer: a parameter of shape {tuple(p.shape)} is already trained by another "
+                    "OffloadOptimizer, whose hooks would take its grads. Call close() on the old optimizer (or "
+                    "delete every reference to it, schedulers included) before building a new one"
+                )
+    for ps in groups:
+        for p in ps:
+            p._cpu_adam_offload_owner = weakref.ref(owner)
+
+
+def _release(owner: OffloadOptimizer) -> None:
+    for group in owner._groups:
+        for p in group.params if group is not None else []:
+            ref = getattr(p, "_cpu_adam_offload_owner", None)
+            if ref is not None and ref() is owner:
+                del p._cpu_adam_offload_owner

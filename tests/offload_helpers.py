@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -113,6 +114,12 @@ class AdamWOracle:
         self.opt.step()
         return norm
 
+    def step_some(self, grads: dict[int, Tensor]) -> None:
+        """A step in which only the params in ``grads`` have a grad (the others are skipped, as torch does)."""
+        for key, master in self.masters.items():
+            master.grad = grads[key].cpu().clone() if key in grads else None
+        self.opt.step()
+
     def master(self, p: Tensor) -> Tensor:
         return self.masters[id(p)].detach()
 
@@ -129,3 +136,41 @@ def assert_matches_oracle(opt: Any, params: list[Tensor], oracle: AdamWOracle) -
         total += p.numel()
     # A master within 1e-5 of a bf16 rounding boundary may round the other way; that is rare.
     assert mismatched <= total * 1e-3, f"{mismatched} of {total} bf16 weights differ from the oracle's"
+
+
+class FailingBackward(torch.autograd.Function):
+    """Identity whose backward calls ``FailingBackward.fail(grad)`` while it is set: a backward that raises half-way."""
+
+    fail: Callable[[Tensor], None] | None = None
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        if FailingBackward.fail is not None:
+            FailingBackward.fail(grad)
+        return grad
+
+
+def loss_failing_midway(model: TinyLM, tokens: Tensor) -> Tensor:
+    """``lm_loss`` with a ``FailingBackward`` after the embedding: the grads above it are packed before it fails."""
+    x = FailingBackward.apply(model.emb(tokens[:, :-1]))
+    x = x + model.fc2(F.gelu(model.fc1(model.ln1(x))))
+    logits = model.head(model.ln_f(x))
+    return F.cross_entropy(logits.float().reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+
+def reentrant_checkpointed_loss(model: TinyLM, tokens: Tensor) -> Tensor:
+    """The MLP block run twice under reentrant checkpointing: its params get grads in two nested backwards."""
+    from torch.utils.checkpoint import checkpoint
+
+    def block(x: Tensor) -> Tensor:
+        return x + model.fc2(F.gelu(model.fc1(model.ln1(x))))
+
+    x = model.emb(tokens[:, :-1])
+    x = checkpoint(block, x, use_reentrant=True)
+    x = checkpoint(block, x, use_reentrant=True)
+    logits = model.head(model.ln_f(x))
+    return F.cross_entropy(logits.float().reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))

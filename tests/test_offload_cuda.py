@@ -6,8 +6,17 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
-from offload_helpers import AdamWOracle, GradTap, assert_matches_oracle, batches, lm_loss, make_model
+from offload_helpers import (
+    AdamWOracle,
+    FailingBackward,
+    GradTap,
+    assert_matches_oracle,
+    batches,
+    lm_loss,
+    loss_failing_midway,
+    make_model,
+    reentrant_checkpointed_loss,
+)
 from torch import nn
 
 from cpu_adam.offload import OffloadOptimizer
@@ -261,37 +270,20 @@ def test_device_memory_bounded_with_shuffled_registration_order():
     assert extra <= _bound(2 * LAYER_BYTES), f"{extra / 2**20:.0f} MiB held during backward"
 
 
-def test_device_memory_bounded_with_torch_compile():
+def test_device_memory_with_torch_compile_is_the_grads_plus_the_buckets():
+    # A compiled backward returns every grad at once, before any hook can take one: device
+    # memory for grads is then the model's grads, as without the optimizer, plus its buckets.
     model = _mlp()
-    compiled = torch.compile(model)
-    extra = _backward_extra(compiled, list(model.parameters()))
-    assert extra <= _bound(2 * LAYER_BYTES), f"{extra / 2**20:.0f} MiB held during backward"
+    grads = sum(p.numel() * 2 for p in model.parameters())
+    extra = _backward_extra(torch.compile(model), list(model.parameters()))
+    assert extra <= grads + _bound(2 * LAYER_BYTES), f"{extra / 2**20:.0f} MiB held during backward"
 
 
 # -- the training loops people run ----------------------------------------------------------------
 
 
-class _OomOnce(torch.autograd.Function):
-    """Identity whose backward runs out of device memory while ``armed``: a real CUDA OOM mid-backward."""
-
-    armed = False
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        if _OomOnce.armed:
-            torch.empty(1 << 46, dtype=torch.uint8, device=grad.device)
-        return grad
-
-
-def _oom_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    x = _OomOnce.apply(model.ln1(model.emb(tokens[:, :-1])))  # the grads after it are packed before the OOM
-    x = x + model.fc2(F.gelu(model.fc1(x)))
-    logits = model.head(model.ln_f(x))
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+def _out_of_memory(grad: torch.Tensor) -> None:
+    torch.empty(1 << 46, dtype=torch.uint8, device=grad.device)  # a real CUDA OOM, mid-backward
 
 
 def test_oom_in_backward_then_training_continues_as_if_the_batch_never_happened():
@@ -301,51 +293,58 @@ def test_oom_in_backward_then_training_continues_as_if_the_batch_never_happened(
         model = make_model(0, device="cuda")
         opt = OffloadOptimizer(model.parameters(), **HYPER, bucket_size=1024)
         for i, tokens in enumerate(data):
-            _OomOnce.armed = i == fail_at
+            FailingBackward.fail = _out_of_memory if i == fail_at else None
             try:
-                _oom_loss(model, tokens).backward()
+                loss_failing_midway(model, tokens).backward()
             except torch.cuda.OutOfMemoryError:
                 opt.zero_grad()
                 continue
             finally:
-                _OomOnce.armed = False
+                FailingBackward.fail = None
             opt.step()
         torch.cuda.synchronize()
-        return [p.detach().clone() for p in model.parameters()] + opt.master_weights()
+        weights = [p.detach().clone() for p in model.parameters()]
+        opt_state = opt.state_dict()["state"][0]
+        return weights + [opt_state[k].clone() for k in ("master", "exp_avg", "exp_avg_sq")]
 
-    skipped = train(fail_at=1)
-    model = make_model(0, device="cuda")
-    opt = OffloadOptimizer(model.parameters(), **HYPER, bucket_size=1024)
-    for i, tokens in enumerate(data):
-        if i != 1:
-            _oom_loss(model, tokens).backward()
-            opt.step()
-    expected = [p.detach().clone() for p in model.parameters()] + opt.master_weights()
-    for a, b in zip(skipped, expected):
+    for a, b in zip(train(fail_at=1), _without_batch(data, 1)):
         assert torch.equal(a, b), "a failed backward changed the training that followed it"
 
 
-def test_reentrant_checkpointing_with_a_shared_param_matches_adamw():
-    from torch.utils.checkpoint import checkpoint
+def _without_batch(data: list[torch.Tensor], skip: int) -> list[torch.Tensor]:
+    model = make_model(0, device="cuda")
+    opt = OffloadOptimizer(model.parameters(), **HYPER, bucket_size=1024)
+    for i, tokens in enumerate(data):
+        if i != skip:
+            loss_failing_midway(model, tokens).backward()
+            opt.step()
+    torch.cuda.synchronize()
+    opt_state = opt.state_dict()["state"][0]
+    weights = [p.detach().clone() for p in model.parameters()]
+    return weights + [opt_state[k].clone() for k in ("master", "exp_avg", "exp_avg_sq")]
 
+
+def test_reentrant_checkpointing_with_a_shared_param_matches_adamw():
     model = make_model(0, device="cuda")
     params = list(model.parameters())
     tap = GradTap(params)
     opt = OffloadOptimizer(params, **HYPER, bucket_size=1024)
     oracle = AdamWOracle([{"params": params}], **HYPER)
-
-    def mlp(x: torch.Tensor) -> torch.Tensor:  # fc1 and fc2 used in both checkpointed segments
-        return x + model.fc2(F.gelu(model.fc1(model.ln1(x))))
-
     for tokens in batches(4, device="cuda"):
-        x = model.emb(tokens[:, :-1])
-        x = checkpoint(mlp, x, use_reentrant=True)
-        x = checkpoint(mlp, x, use_reentrant=True)
-        logits = model.head(model.ln_f(x))
-        F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)).backward()
+        reentrant_checkpointed_loss(model, tokens).backward()
+        assert opt._grads.micro == 1
         oracle.step(tap.take())
         opt.step()
         assert_matches_oracle(opt, params, oracle)
+
+
+def test_model_moved_to_the_gpu_after_construction_raises_at_step():
+    model = make_model(0)
+    opt = OffloadOptimizer(model.parameters(), **HYPER, bucket_size=1024)
+    model.cuda()
+    lm_loss(model, batches(1, device="cuda")[0]).backward()
+    with pytest.raises(RuntimeError, match="converted or moved after the optimizer was built"):
+        opt.step()
 
 
 def test_two_param_groups_match_adamw():

@@ -1,0 +1,195 @@
+"""OffloadOptimizer in the training loops people run: failed backwards, checkpointing, wrappers, mistakes.
+
+On the CPU device, which runs the same hook and bucket code as a GPU; test_offload_cuda.py runs
+the GPU versions (a real out-of-memory error, CUDA graphs).
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from offload_helpers import (
+    AdamWOracle,
+    FailingBackward,
+    GradTap,
+    assert_matches_oracle,
+    batches,
+    lm_loss,
+    loss_failing_midway,
+    make_model,
+    reentrant_checkpointed_loss,
+)
+from torch import nn
+
+from cpu_adam import offload
+from cpu_adam.offload import OffloadOptimizer
+
+BUCKET = 1024
+HYPER = dict(lr=1e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01, bucket_size=BUCKET)
+
+
+def _simulated_oom(grad: torch.Tensor) -> None:
+    raise RuntimeError("simulated: out of memory")
+
+
+def _state(model: nn.Module, opt: OffloadOptimizer) -> list[torch.Tensor]:
+    sd = opt.state_dict()["state"][0]
+    weights = [p.detach().clone() for p in model.parameters()]
+    return weights + [sd[k].clone() for k in ("master", "exp_avg", "exp_avg_sq")]
+
+
+def _train_skipping_a_failed_batch(fail_at: int | None, micro_batches: int = 1) -> list[torch.Tensor]:
+    model = make_model(0)
+    opt = OffloadOptimizer(model.parameters(), **HYPER)
+    for i, tokens in enumerate(batches(4)):
+        try:
+            for m, chunk in enumerate(tokens.chunk(micro_batches)):
+                FailingBackward.fail = _simulated_oom if (i, m) == (fail_at, micro_batches - 1) else None
+                (loss_failing_midway(model, chunk) / micro_batches).backward()
+        except RuntimeError:
+            opt.zero_grad()  # what a loop that skips the batch does
+            continue
+        finally:
+            FailingBackward.fail = None
+        opt.step()
+    return _state(model, opt)
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_failed_backward_then_zero_grad_trains_as_if_the_batch_never_came(micro_batches: int):
+    skipped = _train_skipping_a_failed_batch(fail_at=1, micro_batches=micro_batches)
+    model = make_model(0)
+    opt = OffloadOptimizer(model.parameters(), **HYPER)
+    for i, tokens in enumerate(batches(4)):
+        if i != 1:
+            for chunk in tokens.chunk(micro_batches):
+                (loss_failing_midway(model, chunk) / micro_batches).backward()
+            opt.step()
+    for a, b in zip(skipped, _state(model, opt)):
+        assert torch.equal(a, b), "the failed batch changed the training that followed"
+
+
+def test_step_after_a_failed_backward_without_zero_grad_raises():
+    model = make_model(0)
+    opt = OffloadOptimizer(model.parameters(), **HYPER)
+    first, second = batches(2)
+    FailingBackward.fail = _simulated_oom
+    try:
+        with pytest.raises(RuntimeError, match="simulated"):
+            loss_failing_midway(model, first).backward()
+    finally:
+        FailingBackward.fail = None
+    loss_failing_midway(model, second).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"did not finish.*zero_grad\(\)"):
+        opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    opt.zero_grad()
+    loss_failing_midway(model, second).backward()
+    opt.step()
+    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_reentrant_checkpointing_with_shared_params_matches_adamw(micro_batches: int):
+    model = make_model(0)
+    params = list(model.parameters())
+    tap = GradTap(params)
+    opt = OffloadOptimizer(params, **HYPER)
+    oracle = AdamWOracle([{"params": params}], **{k: v for k, v in HYPER.items() if k != "bucket_size"})
+    for tokens in batches(6):
+        for chunk in tokens.chunk(micro_batches):
+            (reentrant_checkpointed_loss(model, chunk) / micro_batches).backward()
+        assert opt._grads.micro == micro_batches, "one micro-batch per user backward"
+        oracle.step(tap.take())
+        opt.step()
+        assert_matches_oracle(opt, params, oracle)
+
+
+def test_a_second_optimizer_over_the_same_params_is_refused_until_close():
+    model = make_model(0)
+    first = OffloadOptimizer(model.parameters(), **HYPER)
+    with pytest.raises(RuntimeError, match=r"already trained by another OffloadOptimizer.*close\(\)"):
+        OffloadOptimizer(model.parameters(), **HYPER)
+    first.close()
+    assert first.memory_stats()["pinned"] is False
+    with pytest.raises(RuntimeError, match="closed"):
+        first.step()
+    second = OffloadOptimizer(model.parameters(), **HYPER)
+    before = [p.detach().clone() for p in model.parameters()]
+    lm_loss(model, batches(1)[0]).backward()
+    second.step()
+    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def test_a_dropped_wrapper_that_copies_the_optimizer_does_not_close_it():
+    # Lightning's LightningOptimizer: a dynamic subclass instance holding a copy of the optimizer's __dict__.
+    model = make_model(0)
+    opt = OffloadOptimizer(model.parameters(), **HYPER)
+    wrapper = object.__new__(type("LightningOffloadOptimizer", (OffloadOptimizer,), {}))
+    wrapper.__dict__ = dict(opt.__dict__)
+    del wrapper
+    gc.collect()
+    before = [p.detach().clone() for p in model.parameters()]
+    lm_loss(model, batches(1)[0]).backward()
+    opt.step()
+    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters())), "the wrapper closed the optimizer"
+
+
+def test_dropping_the_optimizer_releases_its_params():
+    model = make_model(0)
+    opt = OffloadOptimizer(model.parameters(), **HYPER)
+    del opt
+    gc.collect()
+    OffloadOptimizer(model.parameters(), **HYPER)  # no live owner left
+
+
+def test_grad_scaler_is_refused_with_the_fix():
+    model = make_model(0)
+    opt = OffloadOptimizer(model.parameters(), **HYPER)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(lm_loss(model, batches(1)[0])).backward()
+    with pytest.raises(RuntimeError, match="does not take a GradScaler"):
+        scaler.step(opt)
+
+
+def test_params_converted_after_construction_raise_at_step():
+    model = make_model(0)
+    opt = OffloadOptimizer(model.parameters(), **HYPER)
+    model.float()
+    lm_loss(model, batches(1)[0]).backward()
+    with pytest.raises(RuntimeError, match=r"converted or moved after the optimizer was built"):
+        opt.step()
+
+
+class _CopyingCPU(offload.DeviceOps):
+    @property
+    def host_addressable(self) -> bool:
+        return False
+
+
+def test_device_memory_stays_bounded_when_buckets_never_fill(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(offload, "DeviceOps", _CopyingCPU)
+    width, layers = 32, 16
+    model = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(layers)]).to(torch.bfloat16)
+    used = list(model)[: layers // 2]
+    params = [p for pair in zip(model[: layers // 2].parameters(), model[layers // 2 :].parameters()) for p in pair]
+    bucket = 2 * width * width  # every bucket: one used and one unused layer
+    opt = OffloadOptimizer(params, bucket_size=bucket, max_inflight_buckets=2)
+    x = torch.randn(4, width, dtype=torch.bfloat16)
+    before = [p.detach().clone() for p in model.parameters()]
+    torch.nn.Sequential(*used)(x).float().sum().backward()
+    stats = opt.memory_stats()
+    assert stats["device_peak_bytes"] <= (offload_open_buckets() + 2) * bucket * 2
+    opt.step()
+    for layer, weights in zip(model, before):
+        changed = not torch.equal(layer.weight.detach(), weights)
+        assert changed == (layer in used), "an unused layer was stepped (or a used one was not)"
+
+
+def offload_open_buckets() -> int:
+    from cpu_adam._grads import OPEN_BUCKETS
+
+    return OPEN_BUCKETS
