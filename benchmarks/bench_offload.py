@@ -79,9 +79,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # depends on the data (real grads make subnormal moments, a slow path of the FPU), so on
     # the CPU each round it gets a copy of the real grads; on CUDA they are gone by then.
     groups = [g for g in opt._groups if g is not None]
+    opt._sync_masters()  # the masters as the first step will see them: the weights, in the host layout
     bare = [
         (
-            torch.cat([w.cpu() for w, _ in g.device_pieces()]).to(opt.master_weights_dtype),
+            g.master.clone(),
             torch.randn(g.layout.shard_numel).to(torch.bfloat16),
             torch.zeros(g.layout.shard_numel, dtype=opt.state_dtype),
             torch.zeros(g.layout.shard_numel, dtype=opt.state_dtype),

@@ -264,6 +264,11 @@ class GradCollector:
             self.device_peak_bytes = max(self.device_peak_bytes, self.device_bytes)
         return t
 
+    def note_transient(self, t: Tensor) -> None:
+        """Counts a short-lived device buffer of the step in the peak (the held bytes do not change)."""
+        if not self._dev.host_addressable:
+            self.device_peak_bytes = max(self.device_peak_bytes, self.device_bytes + t.numel() * t.element_size())
+
     def _reap(self, keep: int) -> None:
         """Frees staging areas whose copy is done; waits for the oldest beyond ``keep`` pending."""
         while self._inflight and (len(self._inflight) > keep or self._dev.done(self._inflight[0][0])):

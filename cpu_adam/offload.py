@@ -145,7 +145,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
         trainable = [[p for p in g["params"] if p.requires_grad] for g in self.param_groups]
         self._dev = DeviceOps(self._check_params(trainable))
-        _claim(trainable, self)
+        _check_unclaimed(trainable)
         # Before anything is allocated, so a bad group leaves the model alone.
         self._comm = None if process_group is None else ShardComm(process_group, self._dev.device)
         self.world_size, self.rank = (1, 0) if self._comm is None else (self._comm.world_size, self._comm.rank)
@@ -176,6 +176,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         ]
         self._grads = GradCollector(self._dev, self._groups, max_inflight_buckets, self._comm)
         self._self = weakref.ref(self)  # wrappers that copy this __dict__ (Lightning) are not the owner
+        _claim(trainable, self)
 
     # -- construction -------------------------------------------------------------------------
 
@@ -384,6 +385,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if bucket.numel == 0:
             return
         buffer = torch.empty(bucket.numel, dtype=torch.bfloat16, device=self._dev.device)
+        self._grads.note_transient(buffer)
         host = group.grads.tensor[piece.host : piece.host + piece.numel]
         if not self._dev.host_addressable:
             mine = buffer[piece.flat - bucket.start : piece.flat - bucket.start + piece.numel]
@@ -584,18 +586,21 @@ class OffloadOptimizer(torch.optim.Optimizer):
             pass
 
 
-def _claim(groups: list[list[Tensor]], owner: OffloadOptimizer) -> None:
-    """Marks the params as trained by ``owner``; a param another live optimizer trains is refused."""
+def _check_unclaimed(groups: list[list[Tensor]]) -> None:
+    """Refuses params that another live OffloadOptimizer trains: its hooks would take their grads."""
     for ps in groups:
         for p in ps:
             ref = getattr(p, "_cpu_adam_offload_owner", None)
             other = ref() if ref is not None else None
-            if other is not None and other is not owner and not other._closed:
+            if other is not None and not other._closed:
                 raise RuntimeError(
                     f"cpu_adam.OffloadOptimizer: a parameter of shape {tuple(p.shape)} is already trained by another "
                     "OffloadOptimizer, whose hooks would take its grads. Call close() on the old optimizer (or "
                     "delete every reference to it, schedulers included) before building a new one"
                 )
+
+
+def _claim(groups: list[list[Tensor]], owner: OffloadOptimizer) -> None:
     for ps in groups:
         for p in ps:
             p._cpu_adam_offload_owner = weakref.ref(owner)
