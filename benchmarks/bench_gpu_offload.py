@@ -218,7 +218,8 @@ class CpuAdamOffload(Contender):
     def finish(self) -> None:
         stats = self.opt.memory_stats()
         self.extra.update(
-            host_bytes_per_param_stats=stats["host_bytes_per_param"], device_peak_bytes=stats["device_peak_bytes"]
+            host_bytes_per_param_stats=stats["host_bytes_per_param"],
+            optimizer_device_peak_bytes=stats["device_peak_bytes"],
         )
 
 
