@@ -39,6 +39,7 @@ from torch import Tensor
 from ._collectives import ShardComm
 from ._device import DeviceOps, Event
 from ._flat import FlatLayout
+from ._offloaded_grad import OffloadedGrad, placeholder
 from ._pinned import HostBuffer
 
 __all__ = ["GradCollector", "GroupBuffers"]
@@ -129,6 +130,7 @@ class GradCollector:
         ref = weakref.ref(self)
         for g, group in enumerate(groups):
             for i, p in enumerate(group.params if group is not None else []):
+                self._hooks.append(p.register_hook(_make_clearer(weakref.ref(p))))
                 self._hooks.append(p.register_post_accumulate_grad_hook(_make_hook(ref, g, i)))
         self._index = {id(group): g for g, group in enumerate(groups)}
 
@@ -168,7 +170,7 @@ class GradCollector:
         else:
             target.copy_(grad)
             state.packed.add(i)
-        param.grad = None  # the compute stream orders any reuse of this memory after the copy
+        param.grad = placeholder(param)  # the compute stream orders any reuse of this memory after the copy
         group.got[i] = True
         if len(state.packed) == bucket.last - bucket.first:
             self._flush(group, b)
@@ -338,6 +340,17 @@ class GradCollector:
                 state.staging = None
                 state.packed = set()
                 state.flushes = 0
+
+
+def _make_clearer(ref: weakref.ref[Tensor]) -> Callable[[Tensor], None]:
+    # Before a grad is accumulated into the param: the placeholder left by the last backward
+    # goes, so the new grad is stored as it is rather than added to it.
+    def clear(grad: Tensor) -> None:
+        param = ref()
+        if param is not None and isinstance(param.grad, OffloadedGrad):
+            param.grad = None
+
+    return clear
 
 
 def _make_hook(ref: weakref.ref[GradCollector], g: int, i: int) -> Callable[[Tensor], None]:

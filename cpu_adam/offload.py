@@ -37,6 +37,7 @@ from torch import Tensor
 from ._collectives import ShardComm
 from ._device import DeviceOps
 from ._grads import GradCollector, GroupBuffers
+from ._offloaded_grad import OffloadedGrad
 from .distributed import check_shard, check_threads, full_to_shard
 from .ops import adam_step
 from .optimizer import check_hyper_parameters
@@ -446,7 +447,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         for options in self.param_groups:
             for p in options["params"]:
                 if p.grad is not None:
-                    if set_to_none:
+                    if set_to_none or isinstance(p.grad, OffloadedGrad):
                         p.grad = None
                     else:
                         p.grad.detach_().zero_()
@@ -460,6 +461,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             return
         self._closed = True
         self._grads.remove_hooks()
+        self.zero_grad()  # no placeholder grads left on the params
         self._dev.synchronize()
         self._grads.reset()
         for group in self._groups:

@@ -151,7 +151,7 @@ def test_grad_scaler_is_refused_with_the_fix():
     opt = OffloadOptimizer(model.parameters(), **HYPER)
     scaler = torch.amp.GradScaler("cpu")
     scaler.scale(lm_loss(model, batches(1)[0])).backward()
-    with pytest.raises(RuntimeError, match="does not take a GradScaler"):
+    with pytest.raises(RuntimeError, match=r"OffloadOptimizer.*no GradScaler"):
         scaler.step(opt)
 
 
@@ -193,3 +193,22 @@ def offload_open_buckets() -> int:
     from cpu_adam._grads import OPEN_BUCKETS
 
     return OPEN_BUCKETS
+
+
+def test_clip_grad_norm_on_the_model_raises_naming_the_fix():
+    # What HF Trainer, accelerate and Lightning call: it must not clip nothing in silence.
+    model = make_model(0)
+    opt = OffloadOptimizer(model.parameters(), **HYPER)
+    lm_loss(model, batches(1)[0]).backward()
+    grad = model.fc1.weight.grad
+    assert grad.shape == model.fc1.weight.shape and grad.dtype == torch.bfloat16  # metadata stays readable
+    with pytest.raises(RuntimeError, match=r"max_grad_norm=\.\.\..*TrainingArguments\(max_grad_norm=0\)"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    model.zero_grad()  # the module's own zero_grad drops the placeholders too
+    assert all(p.grad is None for p in model.parameters())
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step()  # the window's grads are still the optimizer's
+    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    opt.close()
+    lm_loss(model, batches(1)[0]).backward()  # a closed optimizer leaves real grads where they belong
+    assert type(model.fc1.weight.grad) is torch.Tensor
