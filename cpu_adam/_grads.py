@@ -86,6 +86,11 @@ class GroupBuffers:
         self.got = [False] * len(params)  # which params got a grad in this window
         self.steps = [0] * len(params)  # Adam steps taken by each param (as torch counts them)
         self.bucket_sq: Tensor | None = None  # on the device: each bucket's squared norm
+        # The step's segments and kernel lists per chunk of buckets; the lists are dropped when a
+        # param's storage changes.
+        self.chunk_plans: dict[tuple[int, int], list[tuple[int, slice, slice, int]]] = {}
+        self.kernel_lists: dict[tuple[int, int], tuple[list[Tensor], ...]] = {}
+        self.storage: list[int] = []
 
     def weights(self, i: int) -> Tensor:
         """Param ``i``'s own storage, flat."""

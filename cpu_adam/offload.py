@@ -314,6 +314,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         for group in self._groups:
             if group is None:
                 continue
+            storage = [p.data_ptr() for p in group.params]
+            if storage != group.storage:
+                group.storage, group.kernel_lists = storage, {}
             for p, shape in zip(group.params, group.layout.shapes):
                 if p.dtype != torch.bfloat16 or p.device != self._dev.device or p.shape != shape:
                     raise RuntimeError(
@@ -360,29 +363,52 @@ class OffloadOptimizer(torch.optim.Optimizer):
         for i in stepped:
             group.steps[i] += 1
         # Chunk by chunk (whole buckets): each chunk's uploads overlap the next chunk's compute.
-        direct = self._dev.host_addressable and self._comm is None  # the kernel writes into the params
         for first, last in _chunks(group, KERNEL_CHUNK):
-            by_step: dict[int, list[tuple[int, slice, slice, Tensor]]] = {}
-            for b in range(first, last):
-                grads = self._grads.grads_of(group, b)
-                for i, part, host in group.piece_segments(b):
-                    if group.got[i]:
-                        by_step.setdefault(group.steps[i], []).append((i, part, host, grads))
             seed = _chunk_seed(self.seed, g, group.layout.buckets[first].start) if self.stochastic_rounding else 0
-            for step, segments in by_step.items():
-                outs = [group.weights(i)[part] if direct else group.grads.tensor[h] for i, part, h, _ in segments]
-                adam_step(
-                    [group.master[h] for _, _, h, _ in segments],
-                    [grads[h] for _, _, h, grads in segments],
-                    [group.exp_avg[h] for _, _, h, _ in segments],
-                    [group.exp_avg_sq[h] for _, _, h, _ in segments],
-                    step=step,
-                    bf16_outs=outs,
-                    seed=seed,
-                    **hyper,
-                )
+            for step, tensors in self._kernel_lists(group, first, last).items():
+                adam_step(*tensors[:4], bf16_outs=tensors[4], step=step, seed=seed, **hyper)
             for b in range(first, last):
                 self._publish(group, b, only_stepped=True)
+
+    def _kernel_lists(self, group: GroupBuffers, first: int, last: int) -> dict[int, tuple[list[Tensor], ...]]:
+        """The kernel's (masters, grads, exp_avgs, exp_avg_sqs, bf16_outs) of buckets ``first..last-1``, by step count.
+
+        Params that got no grad are left out. Consecutive params of a bucket (with the zero
+        padding between them) share one tuple, except where the kernel writes straight into each
+        param's storage (one process on the CPU). A chunk whose params all step alike, with no
+        accumulated grads, keeps its lists for the next step.
+        """
+        key = (first, last)
+        if key not in group.chunk_plans:
+            group.chunk_plans[key] = [
+                (i, part, host, b) for b in range(first, last) for i, part, host in group.piece_segments(b)
+            ]
+        plan = [s for s in group.chunk_plans[key] if group.got[s[0]]]
+        steps = {group.steps[i] for i, *_ in plan}
+        reusable = len(plan) == len(group.chunk_plans[key]) and len(steps) == 1
+        reusable = reusable and all(group.buckets[b].flushes <= 1 for b in range(first, last))
+        if reusable and key in group.kernel_lists:
+            return {steps.pop(): group.kernel_lists[key]}
+        direct = self._dev.host_addressable and self._comm is None  # the kernel writes into the params
+        by_step: dict[int, list[list]] = {}
+        for i, part, host, b in plan:
+            runs = by_step.setdefault(group.steps[i], [])
+            if not direct and runs and runs[-1][3] == b and runs[-1][2] == i - 1:
+                runs[-1][0], runs[-1][2] = slice(runs[-1][0].start, host.stop), i
+            else:
+                runs.append([host, part, i, b])
+        out = {}
+        for step, runs in by_step.items():
+            out[step] = (
+                [group.master[h] for h, *_ in runs],
+                [self._grads.grads_of(group, b)[h] for h, _, _, b in runs],
+                [group.exp_avg[h] for h, *_ in runs],
+                [group.exp_avg_sq[h] for h, *_ in runs],
+                [group.weights(i)[part] if direct else group.grads.tensor[h] for h, part, i, _ in runs],
+            )
+        if reusable:
+            group.kernel_lists[key] = next(iter(out.values()))
+        return out
 
     def _publish(self, group: GroupBuffers, b: int, *, only_stepped: bool) -> None:
         """Puts this rank's new bf16 weights of bucket ``b`` (in the host buffer) into the params' storage.
