@@ -138,6 +138,17 @@ class GradCollector:
                 self._hooks.append(p.register_hook(_make_clearer(weakref.ref(p))))
                 self._hooks.append(p.register_post_accumulate_grad_hook(_make_hook(ref, g, i)))
         self._index = {id(group): g for g, group in enumerate(groups)}
+        # ZeRO's reduction order: the last bucket first, as backward produces the grads of the
+        # last layers first.
+        self._sequence = [
+            (g, b)
+            for g in reversed(range(len(groups)))
+            if groups[g] is not None
+            for b in reversed(range(len(groups[g].buckets)))
+        ]
+        self._order = {key: n for n, key in enumerate(self._sequence)}
+        self._next = 0  # position in the sequence of the next bucket to reduce in this backward
+        self._ready: set[tuple[int, int]] = set()
 
     def remove_hooks(self) -> None:
         for handle in self._hooks:
@@ -165,6 +176,13 @@ class GradCollector:
         group = self._groups[g]
         b = group.layout.bucket_of[i]
         state = group.buckets[b]
+        if self._comm is not None and self._order[(g, b)] < self._next:
+            raise RuntimeError(
+                f"cpu_adam.OffloadOptimizer: a parameter of shape {tuple(param.shape)} got a second grad in one "
+                "backward after its bucket was reduced across the ranks (reentrant activation checkpointing with a "
+                "parameter used in several segments, or used both inside and outside one). With a process group, "
+                "use torch.utils.checkpoint(..., use_reentrant=False), or keep each parameter in one segment"
+            )
         if state.staging is None:
             self._open_bucket(group, b)
         bucket = group.layout.buckets[b]
@@ -178,7 +196,32 @@ class GradCollector:
         param.grad = placeholder(param)  # the compute stream orders any reuse of this memory after the copy
         group.got[i] = True
         if len(state.packed) == bucket.last - bucket.first:
-            self._flush(group, b)
+            self._bucket_complete(g, b)
+
+    def _bucket_complete(self, g: int, b: int) -> None:
+        if self._comm is None:
+            self._flush(self._groups[g], b)
+            return
+        # ZeRO: reductions go in one fixed order on every rank (as DDP), whatever order the grads
+        # come in, so ranks whose graphs differ still pair the same buckets.
+        self._ready.add((g, b))
+        while self._next < len(self._sequence) and self._sequence[self._next] in self._ready:
+            self._reduce_next()
+
+    def _reduce_next(self) -> None:
+        g, b = self._sequence[self._next]
+        group = self._groups[g]
+        if group.buckets[b].staging is None:
+            self._open_bucket(group, b)  # no grad came for it on this rank: zeros
+        self._ready.discard((g, b))
+        self._next += 1
+        self._flush(group, b)
+
+    def _end_backward_in_order(self) -> None:
+        """ZeRO, at the end of a user backward: every bucket not reduced yet goes, in order."""
+        while self._next < len(self._sequence):
+            self._reduce_next()
+        self._next = 0
 
     def _track_graph_task(self) -> None:
         task = torch._C._current_graph_task_id()
@@ -191,15 +234,19 @@ class GradCollector:
 
     def _end_graph_task(self, task: int) -> None:
         self._running.discard(task)
-        while self._open:
-            group, b = self._open[0]
-            self._flush(group, b)
+        if self._comm is not None:
+            if task == self._outer:
+                self._end_backward_in_order()
+        else:
+            while self._open:
+                group, b = self._open[0]
+                self._flush(group, b)
         if task == self._outer:
             self._outer = None
             self.micro += 1
 
     def _open_bucket(self, group: GroupBuffers, b: int) -> None:
-        if len(self._open) >= OPEN_BUCKETS:
+        if len(self._open) >= OPEN_BUCKETS and self._comm is None:
             oldest, ob = self._open[0]
             self._flush(oldest, ob)  # params still to come re-open it: a second contribution
         state = group.buckets[b]
@@ -334,6 +381,8 @@ class GradCollector:
         self._running.clear()
         self._outer = None
         self._open.clear()
+        self._next = 0
+        self._ready.clear()
         for group in self._groups:
             if group is None:
                 continue

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from offload_helpers import batches, lm_loss, make_model
+from offload_helpers import VOCAB, batches, lm_loss, make_model, reentrant_checkpointed_loss
 from rank_spawn import run_ranks
 from torch import nn
 
@@ -143,6 +143,39 @@ def _resume_rank(rank: int, world_size: int, out: Path) -> None:
         opt.load_state_dict(other)
 
 
+def _mlp_scaled_loss(model: nn.Module, tokens: torch.Tensor, mlp: float | None) -> torch.Tensor:
+    """lm_loss with the MLP block's output times ``mlp``; None leaves the block out of the graph."""
+    x = model.emb(tokens[:, :-1])
+    if mlp is not None:
+        x = x + mlp * model.fc2(torch.nn.functional.gelu(model.fc1(model.ln1(x))))
+    logits = model.head(model.ln_f(x))
+    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+
+def _robustness_rank(rank: int, world_size: int, out: Path) -> None:
+    # Ranks built from different seeds train rank 0's weights.
+    model = make_model(seed=rank)
+    _zero_opt(model)
+    torch.save([p.detach().clone() for p in model.parameters()], out / f"init{rank}.pt")
+
+    # Graphs that differ: rank 1 leaves the MLP out, or multiplies it by 0 (the same zero grads,
+    # sent in another order). No hang, no error, the same bits.
+    data = batches(4)
+    for variant, mlp in (("unused", None), ("zeroed", 0.0)):
+        model = make_model(0)
+        opt = _zero_opt(model)
+        for tokens in data:
+            _mlp_scaled_loss(model, tokens, 1.0 if rank == 0 else mlp).backward()
+            opt.step()
+        torch.save(_snapshot(model, opt), out / f"{variant}{rank}.pt")
+
+    # A param used in two reentrant-checkpointed segments: a clear error on every rank, no hang.
+    model = make_model(0)
+    opt = _zero_opt(model)
+    with pytest.raises(RuntimeError, match=r"use_reentrant=False"):
+        reentrant_checkpointed_loss(model, data[0]).backward()
+
+
 # -- fixtures --------------------------------------------------------------------------------
 
 
@@ -157,6 +190,13 @@ def parity_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def resume_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("resume")
     run_ranks(_resume_rank, out, world_size=2, timeout_s=SPAWN_TIMEOUT_S)
+    return out
+
+
+@pytest.fixture(scope="module")
+def robustness_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("robustness")
+    run_ranks(_robustness_rank, out, world_size=2, timeout_s=SPAWN_TIMEOUT_S)
     return out
 
 
@@ -296,6 +336,22 @@ def test_two_rank_checkpoint_resumes_on_one_process(resume_run: Path):
 
 
 # -- one rank in this process: the ZeRO code path, errors, threads ---------------------------------
+
+
+def test_ranks_built_from_other_seeds_train_rank_0s_weights(robustness_run: Path):
+    rank0 = [p.detach() for p in make_model(seed=0).parameters()]
+    for r in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(torch.load(robustness_run / f"init{r}.pt"), rank0))
+
+
+def test_ranks_whose_graphs_differ_reduce_in_one_order(robustness_run: Path):
+    # Rank 1 has no grad for the MLP: its zeros join the average, as with DDP, in the same order.
+    for unused, zeroed in zip(_load(robustness_run, "unused"), _load(robustness_run, "zeroed")):
+        _assert_same_state(unused["state"], zeroed["state"])
+        assert all(torch.equal(a, b) for a, b in zip(unused["weights"], zeroed["weights"]))
+    first = make_model(0)
+    weights = _load(robustness_run, "unused")[0]["weights"]
+    assert not torch.equal(weights[list(dict(first.named_parameters())).index("fc1.weight")], first.fc1.weight)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
