@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -159,6 +160,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.step_timings: dict[str, float] = {}
         self.bucket_size = bucket_size
         self._closed = False
+        self._warned_no_grads = False
 
         trainable = [[p for p in g["params"] if p.requires_grad] for g in self.param_groups]
         self._dev = DeviceOps(self._check_params(trainable))
@@ -253,6 +255,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._comm.check_alive()  # also after a backward that failed on it
         self._grads.check_finished()
         if not self._window_has_grads():
+            self._warn_no_grads()
             return loss  # no grads: like torch's optimizers, leave every param as it is
         t0 = time.perf_counter()
         self._grads.wait_all()
@@ -283,6 +286,18 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._grads.reset()
         self.step_timings = {"grads_wait_s": t1 - t0, "norm_s": t2 - t1, "adam_s": time.perf_counter() - t2}
         return loss
+
+    def _warn_no_grads(self) -> None:
+        if not self._warned_no_grads:
+            self._warned_no_grads = True
+            warnings.warn(
+                "cpu_adam.OffloadOptimizer.step(): no grad reached its params since the last step, so nothing was "
+                "updated. Call backward() before step(); if the model's params were replaced after the optimizer "
+                "was built (load_state_dict(assign=True), modules re-created), build the optimizer again over the "
+                "new params",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     def _check_usable(self) -> None:
         if self._closed:

@@ -212,3 +212,12 @@ def test_clip_grad_norm_on_the_model_raises_naming_the_fix():
     opt.close()
     lm_loss(model, batches(1)[0]).backward()  # a closed optimizer leaves real grads where they belong
     assert type(model.fc1.weight.grad) is torch.Tensor
+
+
+def test_step_warns_when_the_model_params_were_replaced():
+    model = make_model(0)
+    opt = OffloadOptimizer(model.parameters(), **HYPER)
+    model.load_state_dict(make_model(1).state_dict(), assign=True)  # new Parameter objects
+    lm_loss(model, batches(1)[0]).backward()
+    with pytest.warns(RuntimeWarning, match=r"no grad reached.*assign=True.*build the optimizer again"):
+        opt.step()
