@@ -1,4 +1,5 @@
-"""Layout of one param group in a flat buffer: offsets, buckets, and the pieces a rank owns.
+"""Layout of one param group in a flat buffer: offsets, buckets, the pieces a rank owns, and the
+conversions between a rank's shard and the one-process layout that full state dicts use.
 
 Each param starts on an ALIGN-element boundary (128 bytes in bf16, a cache line or two in
 every dtype the host buffers use), so the kernel's per-thread splits never share a line.
@@ -16,10 +17,12 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch import Tensor
 
-__all__ = ["ALIGN", "Bucket", "FlatLayout"]
+__all__ = ["ALIGN", "Bucket", "FlatLayout", "check_shard", "full_to_shard", "shards_to_full"]
 
 ALIGN = 64
 
@@ -122,3 +125,57 @@ class FlatLayout:
             if start < end:
                 out.append((i, start, end, host + start - lo))
         return out
+
+
+_RESHARD_FIX = (
+    "load each rank's own shard on the same number of ranks with the same bucket_size, or consolidate the "
+    "shards with cpu_adam.distributed.consolidate_state_dict(...) and load the full state dict, which any "
+    "number of ranks can load"
+)
+
+
+def _canonical(shapes: list[torch.Size]) -> FlatLayout:
+    # Offsets of the one-process layout do not depend on the bucket size: one bucket will do.
+    return FlatLayout(shapes, 1 << 62)
+
+
+def full_to_shard(full: Tensor, layout: FlatLayout) -> Tensor:
+    """This rank's shard (its pieces back to back) of a tensor in the one-process layout."""
+    canonical = _canonical(layout.shapes)
+    if full.numel() != canonical.numel:
+        raise ValueError(f"a full state tensor has {full.numel()} elements, the layout needs {canonical.numel}")
+    if layout.world_size == 1 and layout.offsets == canonical.offsets and layout.numel == canonical.numel:
+        return full
+    flat = full.new_zeros(layout.numel)
+    for i in range(len(layout.shapes)):
+        lo, hi = layout.param_range(i)
+        c_lo, c_hi = canonical.param_range(i)
+        flat[lo:hi] = full[c_lo:c_hi]
+    return torch.cat([flat[p.flat : p.flat + p.numel] for p in layout.pieces])
+
+
+def shards_to_full(shards: list[Tensor], layouts: list[FlatLayout]) -> Tensor:
+    """Inverse of ``full_to_shard``: the ranks' shards, in rank order, as one tensor in the one-process layout."""
+    zero_layout = layouts[0]
+    flat = shards[0].new_zeros(zero_layout.numel)
+    for shard, layout in zip(shards, layouts):
+        for p in layout.pieces:
+            flat[p.flat : p.flat + p.numel] = shard[p.host : p.host + p.numel]
+    canonical = _canonical(zero_layout.shapes)
+    full = shards[0].new_zeros(canonical.numel)
+    for i in range(len(zero_layout.shapes)):
+        lo, hi = zero_layout.param_range(i)
+        c_lo, c_hi = canonical.param_range(i)
+        full[c_lo:c_hi] = flat[lo:hi]
+    return full
+
+
+def check_shard(zero: dict[str, Any], rank: int, world_size: int, bucket_size: int) -> None:
+    """Raises a ValueError naming the mismatch when a shard was not saved by this rank's place in this layout."""
+    saved = (zero["rank"], zero["world_size"], zero["bucket_size"])
+    if saved != (rank, world_size, bucket_size):
+        raise ValueError(
+            f"cpu_adam.OffloadOptimizer.load_state_dict: the state dict is the shard of rank {zero['rank']} of "
+            f"{zero['world_size']} (bucket_size {zero['bucket_size']}), but this optimizer is rank {rank} of "
+            f"{world_size} (bucket_size {bucket_size}); {_RESHARD_FIX}"
+        )

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 _warned = False
 
@@ -36,3 +39,21 @@ def warn_if_single_threaded(share: int | None = None) -> None:
             f"{share}) or set OMP_NUM_THREADS={share}.",
             stacklevel=3,
         )
+
+
+def check_threads(rank: int, world_size: int) -> int:
+    """Logs how many threads this rank's CPU step uses; warns when torchrun's one thread wastes cores.
+
+    The ranks on a node share its cores (``LOCAL_WORLD_SIZE``, set by torchrun; without it every
+    rank is assumed to be on this node). Returns this rank's share of the cores.
+    """
+    share = cores_per_local_rank(default_local_ranks=world_size)
+    logger.info(
+        "cpu_adam.OffloadOptimizer: rank %d of %d steps on %d CPU threads (its share of the cores: %d)",
+        rank,
+        world_size,
+        torch.get_num_threads(),
+        share,
+    )
+    warn_if_single_threaded(share)
+    return share

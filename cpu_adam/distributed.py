@@ -10,61 +10,16 @@ not depend on the world size or bucket size they were saved with.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
-from torch import Tensor
 
-from ._flat import FlatLayout
-from ._threads import cores_per_local_rank, warn_if_single_threaded
+from ._flat import FlatLayout, shards_to_full
+from ._threads import cores_per_local_rank
 
-__all__ = ["check_threads", "consolidate_state_dict", "cores_per_local_rank"]
-
-logger = logging.getLogger(__name__)
+__all__ = ["consolidate_state_dict", "cores_per_local_rank"]
 
 _STATE_TENSORS = ("master", "exp_avg", "exp_avg_sq")
-_RESHARD_FIX = (
-    "load each rank's own shard on the same number of ranks with the same bucket_size, or consolidate the "
-    "shards with cpu_adam.distributed.consolidate_state_dict(...) and load the full state dict, which any "
-    "number of ranks can load"
-)
-
-
-def _canonical(shapes: list[torch.Size]) -> FlatLayout:
-    # Offsets of the one-process layout do not depend on the bucket size: one bucket will do.
-    return FlatLayout(shapes, 1 << 62)
-
-
-def full_to_shard(full: Tensor, layout: FlatLayout) -> Tensor:
-    """This rank's shard (its pieces back to back) of a tensor in the one-process layout."""
-    canonical = _canonical(layout.shapes)
-    if full.numel() != canonical.numel:
-        raise ValueError(f"a full state tensor has {full.numel()} elements, the layout needs {canonical.numel}")
-    if layout.world_size == 1 and layout.offsets == canonical.offsets and layout.numel == canonical.numel:
-        return full
-    flat = full.new_zeros(layout.numel)
-    for i in range(len(layout.shapes)):
-        lo, hi = layout.param_range(i)
-        c_lo, c_hi = canonical.param_range(i)
-        flat[lo:hi] = full[c_lo:c_hi]
-    return torch.cat([flat[p.flat : p.flat + p.numel] for p in layout.pieces])
-
-
-def shards_to_full(shards: list[Tensor], layouts: list[FlatLayout]) -> Tensor:
-    """Inverse of ``full_to_shard``: the ranks' shards, in rank order, as one tensor in the one-process layout."""
-    zero_layout = layouts[0]
-    flat = shards[0].new_zeros(zero_layout.numel)
-    for shard, layout in zip(shards, layouts):
-        for p in layout.pieces:
-            flat[p.flat : p.flat + p.numel] = shard[p.host : p.host + p.numel]
-    canonical = _canonical(zero_layout.shapes)
-    full = shards[0].new_zeros(canonical.numel)
-    for i in range(len(zero_layout.shapes)):
-        lo, hi = zero_layout.param_range(i)
-        c_lo, c_hi = canonical.param_range(i)
-        full[c_lo:c_hi] = flat[lo:hi]
-    return full
 
 
 def consolidate_state_dict(shard_state_dicts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -108,32 +63,3 @@ def consolidate_state_dict(shard_state_dicts: list[dict[str, Any]]) -> dict[str,
             group[name] = shards_to_full([sd["state"][g][name] for sd in by_rank], layouts)
         full["state"][g] = group
     return full
-
-
-def check_shard(zero: dict[str, Any], rank: int, world_size: int, bucket_size: int) -> None:
-    """Raises a ValueError naming the mismatch when a shard was not saved by this rank's place in this layout."""
-    saved = (zero["rank"], zero["world_size"], zero["bucket_size"])
-    if saved != (rank, world_size, bucket_size):
-        raise ValueError(
-            f"cpu_adam.OffloadOptimizer.load_state_dict: the state dict is the shard of rank {zero['rank']} of "
-            f"{zero['world_size']} (bucket_size {zero['bucket_size']}), but this optimizer is rank {rank} of "
-            f"{world_size} (bucket_size {bucket_size}); {_RESHARD_FIX}"
-        )
-
-
-def check_threads(rank: int, world_size: int) -> int:
-    """Logs how many threads this rank's CPU step uses; warns when torchrun's one thread wastes cores.
-
-    The ranks on a node share its cores (``LOCAL_WORLD_SIZE``, set by torchrun; without it every
-    rank is assumed to be on this node). Returns this rank's share of the cores.
-    """
-    share = cores_per_local_rank(default_local_ranks=world_size)
-    logger.info(
-        "cpu_adam.OffloadOptimizer: rank %d of %d steps on %d CPU threads (its share of the cores: %d)",
-        rank,
-        world_size,
-        torch.get_num_threads(),
-        share,
-    )
-    warn_if_single_threaded(share)
-    return share

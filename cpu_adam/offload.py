@@ -37,11 +37,11 @@ from torch import Tensor
 
 from ._collectives import ShardComm
 from ._device import DeviceOps
+from ._flat import check_shard, full_to_shard
 from ._grads import GradCollector, GroupBuffers
 from ._offloaded_grad import OffloadedGrad
-from .distributed import check_shard, check_threads, full_to_shard
-from .ops import adam_step
-from .optimizer import check_hyper_parameters
+from ._threads import check_threads
+from .ops import adam_step, check_hyper_parameters
 
 __all__ = ["OffloadOptimizer"]
 

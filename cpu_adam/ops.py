@@ -6,6 +6,7 @@ at import.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -179,3 +180,15 @@ def force_isa(name: str) -> Iterator[None]:
         yield
     finally:
         _ops().set_isa(previous)
+
+
+def check_hyper_parameters(owner: str, lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+    """Raises a ValueError naming ``owner`` and the bad value; shared by both optimizers."""
+    if not (lr >= 0 and math.isfinite(lr)):
+        raise ValueError(f"{owner}: lr must be a finite number >= 0, got {lr}")
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"{owner}: betas must be two numbers in [0, 1), got {betas}")
+    if not eps >= 0:
+        raise ValueError(f"{owner}: eps must be >= 0, got {eps}")
+    if not weight_decay >= 0:
+        raise ValueError(f"{owner}: weight_decay must be >= 0, got {weight_decay}")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import sys
 from collections import defaultdict
 from collections.abc import Callable, Iterable
@@ -66,7 +65,7 @@ class CPUAdam(torch.optim.Optimizer):
             raise ValueError(
                 "CPUAdam does not implement amsgrad; use torch.optim.AdamW(amsgrad=True) for it, or drop amsgrad=True"
             )
-        check_hyper_parameters("CPUAdam", float(lr), betas, eps, weight_decay)
+        ops.check_hyper_parameters("CPUAdam", float(lr), betas, eps, weight_decay)
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,)).item())
         defaults = {
@@ -178,15 +177,3 @@ class CPUAdam(torch.optim.Optimizer):
 
 def _state_dtype(group: dict[str, Any]) -> torch.dtype:
     return torch.float32 if group["fp32_optimizer_states"] else torch.bfloat16
-
-
-def check_hyper_parameters(owner: str, lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
-    """Raises a ValueError naming ``owner`` and the bad value; shared by both optimizers."""
-    if not (lr >= 0 and math.isfinite(lr)):
-        raise ValueError(f"{owner}: lr must be a finite number >= 0, got {lr}")
-    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-        raise ValueError(f"{owner}: betas must be two numbers in [0, 1), got {betas}")
-    if not eps >= 0:
-        raise ValueError(f"{owner}: eps must be >= 0, got {eps}")
-    if not weight_decay >= 0:
-        raise ValueError(f"{owner}: weight_decay must be >= 0, got {weight_decay}")

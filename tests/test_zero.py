@@ -23,8 +23,8 @@ from torch import nn
 
 from cpu_adam import OffloadOptimizer, offload
 from cpu_adam import _threads as thread_share
-from cpu_adam._flat import FlatLayout
-from cpu_adam.distributed import consolidate_state_dict, full_to_shard, shards_to_full
+from cpu_adam._flat import FlatLayout, full_to_shard, shards_to_full
+from cpu_adam.distributed import consolidate_state_dict
 
 pytestmark = pytest.mark.dist
 
@@ -433,7 +433,7 @@ def test_threads_are_logged_and_one_thread_warns_with_the_fix(
         with pytest.warns(UserWarning, match=r"torch\.set_num_threads\(4\)"):
             OffloadOptimizer(make_model(0).parameters(), process_group=one_rank_group)
         torch.set_num_threads(4)
-        with caplog.at_level(logging.INFO, logger="cpu_adam.distributed"), warnings.catch_warnings():
+        with caplog.at_level(logging.INFO, logger="cpu_adam"), warnings.catch_warnings():
             warnings.simplefilter("error")  # the right thread count: no warning
             OffloadOptimizer(make_model(0).parameters(), process_group=one_rank_group)
     finally:
