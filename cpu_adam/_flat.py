@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["ALIGN", "Bucket", "FlatLayout", "check_shard", "full_to_shard", "shards_to_full"]
+__all__ = ["ALIGN", "Bucket", "FlatLayout", "canonical_offsets", "check_shard", "full_to_shard", "shards_to_full"]
 
 ALIGN = 64
 
@@ -137,6 +137,11 @@ _RESHARD_FIX = (
 def _canonical(shapes: list[torch.Size]) -> FlatLayout:
     # Offsets of the one-process layout do not depend on the bucket size: one bucket will do.
     return FlatLayout(shapes, 1 << 62)
+
+
+def canonical_offsets(shapes: list[torch.Size]) -> list[int]:
+    """Each param's offset in the one-process layout, which no world or bucket size changes."""
+    return _canonical(shapes).offsets
 
 
 def full_to_shard(full: Tensor, layout: FlatLayout) -> Tensor:

@@ -38,7 +38,7 @@ from torch import Tensor
 
 from ._collectives import ShardComm
 from ._device import DeviceOps, Event
-from ._flat import FlatLayout
+from ._flat import FlatLayout, canonical_offsets
 from ._offloaded_grad import OffloadedGrad, placeholder
 from ._pinned import HostBuffer
 
@@ -85,6 +85,7 @@ class GroupBuffers:
         self.buckets = [BucketState() for _ in layout.buckets]
         self.got = [False] * len(params)  # which params got a grad in this window
         self.steps = [0] * len(params)  # Adam steps taken by each param (as torch counts them)
+        self.counter_base = canonical_offsets(layout.shapes)  # where each param's random bits start
         self.bucket_sq: Tensor | None = None  # on the device: each bucket's squared norm
         # The step's segments and kernel lists per chunk of buckets; the lists are dropped when a
         # param's storage changes.

@@ -41,7 +41,7 @@ from ._flat import check_shard, full_to_shard
 from ._grads import GradCollector, GroupBuffers
 from ._offloaded_grad import OffloadedGrad
 from ._threads import check_threads
-from .ops import adam_step, check_hyper_parameters
+from .ops import adam_step, check_hyper_parameters, group_counter_base
 
 __all__ = ["OffloadOptimizer"]
 
@@ -52,15 +52,6 @@ logger = logging.getLogger(__name__)
 KERNEL_CHUNK = 2**25
 DEFAULT_BUCKET_SIZE = 2**23  # elements: 16 MiB of bf16 grads per copy, far past PCIe's small-copy overheads
 STATE_DICT_FORMAT = "cpu_adam.OffloadOptimizer/1"
-_MASK64 = (1 << 64) - 1
-
-
-def _chunk_seed(seed: int, group: int, start: int) -> int:
-    # splitmix64: chunks and groups get independent streams of rounding bits from one seed.
-    x = (seed + 0x9E3779B97F4A7C15 * ((group << 40) + start + 1)) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (x ^ (x >> 31)) >> 1
 
 
 def _chunks(group: GroupBuffers, size: int) -> list[tuple[int, int]]:
@@ -379,19 +370,22 @@ class OffloadOptimizer(torch.optim.Optimizer):
             group.steps[i] += 1
         # Chunk by chunk (whole buckets): each chunk's uploads overlap the next chunk's compute.
         for first, last in _chunks(group, KERNEL_CHUNK):
-            seed = _chunk_seed(self.seed, g, group.layout.buckets[first].start) if self.stochastic_rounding else 0
-            for step, tensors in self._kernel_lists(group, first, last).items():
-                adam_step(*tensors[:4], bf16_outs=tensors[4], step=step, seed=seed, **hyper)
+            for step, tensors in self._kernel_lists(g, group, first, last).items():
+                adam_step(
+                    *tensors[:4], bf16_outs=tensors[4], counter_offsets=tensors[5], step=step, seed=self.seed, **hyper
+                )
             for b in range(first, last):
                 self._publish(group, b, only_stepped=True)
 
-    def _kernel_lists(self, group: GroupBuffers, first: int, last: int) -> dict[int, tuple[list[Tensor], ...]]:
-        """The kernel's (masters, grads, exp_avgs, exp_avg_sqs, bf16_outs) of buckets ``first..last-1``, by step count.
+    def _kernel_lists(self, g: int, group: GroupBuffers, first: int, last: int) -> dict[int, tuple[list, ...]]:
+        """The kernel's (masters, grads, exp_avgs, exp_avg_sqs, bf16_outs, counter offsets) of buckets
+        ``first..last-1``, by step count.
 
         Params that got no grad are left out. Consecutive params of a bucket (with the zero
         padding between them) share one tuple, except where the kernel writes straight into each
-        param's storage (one process on the CPU). A chunk whose params all step alike, with no
-        accumulated grads, keeps its lists for the next step.
+        param's storage (one process on the CPU). Counter offsets are the one-process layout's, so
+        stochastic rounding draws the same bits whatever the world size, bucket size or chunking.
+        A chunk whose params all step alike, with no accumulated grads, keeps its lists.
         """
         key = (first, last)
         if key not in group.chunk_plans:
@@ -408,18 +402,19 @@ class OffloadOptimizer(torch.optim.Optimizer):
         by_step: dict[int, list[list]] = {}
         for i, part, host, b in plan:
             runs = by_step.setdefault(group.steps[i], [])
-            if not direct and runs and runs[-1][3] == b and runs[-1][2] == i - 1:
-                runs[-1][0], runs[-1][2] = slice(runs[-1][0].start, host.stop), i
+            if not direct and runs and runs[-1][3] == b and runs[-1][4] == i - 1:
+                runs[-1][0], runs[-1][4] = slice(runs[-1][0].start, host.stop), i
             else:
-                runs.append([host, part, i, b])
+                runs.append([host, part, i, b, i])  # its first param's part (where its counters start), its last param
         out = {}
         for step, runs in by_step.items():
             out[step] = (
                 [group.master[h] for h, *_ in runs],
-                [self._grads.grads_of(group, b)[h] for h, _, _, b in runs],
+                [self._grads.grads_of(group, b)[h] for h, _, _, b, _ in runs],
                 [group.exp_avg[h] for h, *_ in runs],
                 [group.exp_avg_sq[h] for h, *_ in runs],
-                [group.weights(i)[part] if direct else group.grads.tensor[h] for h, part, i, _ in runs],
+                [group.weights(i)[part] if direct else group.grads.tensor[h] for h, part, i, _, _ in runs],
+                [group_counter_base(g) + group.counter_base[i] + part.start for _, part, i, _, _ in runs],
             )
         if reusable:
             group.kernel_lists[key] = next(iter(out.values()))

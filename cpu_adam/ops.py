@@ -98,6 +98,7 @@ def adam_step(
     bf16_outs: Sequence[Tensor] | None = None,
     stochastic_rounding: bool = False,
     seed: int = 0,
+    counter_offsets: Sequence[int] | None = None,
 ) -> None:
     """One fused Adam/AdamW step over every tensor in the lists, in place.
 
@@ -105,8 +106,12 @@ def adam_step(
     are multiplied by ``grad_scale`` first (clipping, averaging). Where given,
     ``bf16_outs[i]`` receives the updated ``params[i]`` rounded to bfloat16; it
     may be the very tensor ``grads[i]`` when that grad is bfloat16.
-    ``stochastic_rounding`` applies to bfloat16 params only; its random bits are
-    a function of ``(seed, step, position in the list, element index)``.
+    ``stochastic_rounding`` applies to bfloat16 params only; the random bits of
+    element ``e`` of ``params[i]`` are a function of ``(seed, step,
+    counter_offsets[i] + e)``. Offsets (even numbers) place the tensors in one
+    counter space, so a tensor stepped in other calls or lists, or split
+    otherwise, gets the same bits; by default the list is that space, its
+    tensors back to back.
     """
     if step < 1:
         raise ValueError(f"cpu_adam: step counts from 1 (the step being taken), got {step}")
@@ -115,6 +120,8 @@ def adam_step(
     warn_if_single_threaded()
     bias_correction1 = 1.0 - beta1**step if bias_correction else 1.0
     bias_correction2 = 1.0 - beta2**step if bias_correction else 1.0
+    if counter_offsets is None:
+        counter_offsets = back_to_back(params)
     _ops().adam_step_(
         list(params),
         list(grads),
@@ -133,7 +140,22 @@ def adam_step(
         stochastic_rounding,
         seed,
         step,
+        list(counter_offsets),
     )
+
+
+def back_to_back(tensors: Sequence[Tensor], start: int = 0) -> list[int]:
+    """Counter offsets that put ``tensors`` one after another from ``start`` (each at an even offset)."""
+    offsets = []
+    for t in tensors:
+        offsets.append(start)
+        start += t.numel() + t.numel() % 2
+    return offsets
+
+
+def group_counter_base(index: int) -> int:
+    """Where param group ``index`` starts in the counter space: groups never share random bits."""
+    return index << 48
 
 
 def bandwidth_probe(

@@ -13,7 +13,6 @@ from torch import Tensor
 from . import ops
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
-_GROUP_SEED_SPREAD = 0x9E3779B97F4A7C15
 
 
 def _local(t: Tensor) -> Tensor:
@@ -113,7 +112,7 @@ class CPUAdam(torch.optim.Optimizer):
             state["step"] += 1
             by_step[int(state["step"].item())].append(p)
         beta1, beta2 = group["betas"]
-        seed = (group["seed"] + _GROUP_SEED_SPREAD * index) % 2**63
+        offsets = dict(zip(map(id, group["params"]), ops.back_to_back(group["params"], ops.group_counter_base(index))))
         for step, params in by_step.items():
             states = [self.state[p] for p in params]
             ops.adam_step(
@@ -130,7 +129,8 @@ class CPUAdam(torch.optim.Optimizer):
                 adamw_mode=group["decoupled_weight_decay"],
                 bias_correction=group["bias_correction"],
                 stochastic_rounding=group["stochastic_rounding"],
-                seed=seed,
+                seed=group["seed"],
+                counter_offsets=[offsets[id(p)] for p in params],
             )
 
     def _state_for(self, p: Tensor, group: dict[str, Any]) -> dict[str, Any]:

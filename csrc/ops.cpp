@@ -148,11 +148,13 @@ uint64_t mix64(uint64_t x) {
   return x ^ (x >> 31);
 }
 
-uint32_t rng_key(int64_t seed, int64_t step, size_t tensor, int64_t high_counter) {
+// The random bits of an element depend on (seed, step, counter) only: the caller places each
+// tensor in one counter space (its offset), so how tensors are split into calls, lists or
+// threads changes no bit.
+uint32_t rng_key(int64_t seed, int64_t step, uint64_t high_counter) {
   uint64_t k = mix64(static_cast<uint64_t>(seed));
   k = mix64(k ^ static_cast<uint64_t>(step));
-  k = mix64(k ^ tensor);
-  return static_cast<uint32_t>(mix64(k ^ static_cast<uint64_t>(high_counter)));
+  return static_cast<uint32_t>(mix64(k ^ high_counter));
 }
 
 // The one parallel split of a step: whole blocks per thread.
@@ -173,7 +175,8 @@ int64_t threads_for(int64_t numel) {
   return static_cast<int64_t>(threads.size());
 }
 
-void run_all(std::vector<Tuple>& tuples, const Hyper& h, int64_t seed, int64_t step) {
+void run_all(std::vector<Tuple>& tuples, const Hyper& h, int64_t seed, int64_t step,
+             const std::vector<int64_t>& counter_offsets) {
   const KernelFn kernel = active_isa().kernel;
   std::vector<int64_t> block_start(tuples.size() + 1, 0);
   for (size_t i = 0; i < tuples.size(); ++i) {
@@ -181,10 +184,12 @@ void run_all(std::vector<Tuple>& tuples, const Hyper& h, int64_t seed, int64_t s
   }
   auto run_elements = [&](size_t i, int64_t begin, int64_t end) {
     const Tuple& tu = tuples[i];
+    const uint64_t offset = counter_offsets.empty() ? 0 : static_cast<uint64_t>(counter_offsets[i]);
     while (begin < end) {
       // Counters are 32 bits: split where the high bits change and fold those into the key.
-      const int64_t high = begin >> 32;
-      const int64_t stop = std::min(end, (high + 1) << 32);
+      const uint64_t counter = offset + static_cast<uint64_t>(begin);
+      const uint64_t high = counter >> 32;
+      const int64_t stop = std::min(end, begin + static_cast<int64_t>(((high + 1) << 32) - counter));
       Segment s;
       s.param = static_cast<char*>(tu.param.data_ptr()) + begin * tu.param.element_size();
       s.grad = static_cast<const char*>(tu.grad.const_data_ptr()) + begin * tu.grad.element_size();
@@ -192,8 +197,8 @@ void run_all(std::vector<Tuple>& tuples, const Hyper& h, int64_t seed, int64_t s
       s.exp_avg_sq = static_cast<char*>(tu.exp_avg_sq.data_ptr()) + begin * tu.exp_avg_sq.element_size();
       s.bf16_out = tu.out.defined() ? static_cast<uint16_t*>(tu.out.data_ptr()) + begin : nullptr;
       s.n = stop - begin;
-      s.first_counter = static_cast<uint32_t>(begin);
-      s.rng_key = h.stochastic_rounding ? rng_key(seed, step, i, high) : 0;
+      s.first_counter = static_cast<uint32_t>(counter);
+      s.rng_key = h.stochastic_rounding ? rng_key(seed, step, high) : 0;
       kernel(s, tu.layout, h);
       begin = stop;
     }
@@ -213,16 +218,24 @@ void run_all(std::vector<Tuple>& tuples, const Hyper& h, int64_t seed, int64_t s
 
 void launch(const std::vector<Tensor>& params, const std::vector<Tensor>& grads, const std::vector<Tensor>& exp_avgs,
             const std::vector<Tensor>& exp_avg_sqs, const std::vector<Tensor>& outs, const Hyper& h, int64_t seed,
-            int64_t step) {
+            int64_t step, const std::vector<int64_t>& counter_offsets) {
+  TORCH_CHECK(counter_offsets.empty() || counter_offsets.size() == params.size(),
+              "cpu_adam: counter_offsets must be empty or have one offset per param, got ",
+              text(counter_offsets.size()), " for ", text(params.size()), " params");
+  for (const int64_t offset : counter_offsets) {
+    TORCH_CHECK(offset >= 0 && offset % 2 == 0, "cpu_adam: counter offsets must be even and >= 0, got ", text(offset),
+                "; stochastic rounding hashes pairs of elements");
+  }
   std::vector<Tuple> tuples = prepare(params, grads, exp_avgs, exp_avg_sqs, outs);
-  run_all(tuples, h, seed, step);
+  run_all(tuples, h, seed, step, counter_offsets);
   write_back(params, exp_avgs, exp_avg_sqs, outs, tuples);
 }
 
 void adam_step(const std::vector<Tensor>& params, const std::vector<Tensor>& grads, const std::vector<Tensor>& exp_avgs,
                const std::vector<Tensor>& exp_avg_sqs, const std::vector<Tensor>& bf16_outs, double lr, double beta1,
                double beta2, double eps, double weight_decay, bool adamw_mode, double bias_correction1,
-               double bias_correction2, double grad_scale, bool stochastic_rounding, int64_t seed, int64_t step) {
+               double bias_correction2, double grad_scale, bool stochastic_rounding, int64_t seed, int64_t step,
+               const std::vector<int64_t>& counter_offsets) {
   TORCH_CHECK(bias_correction1 > 0 && bias_correction2 > 0, "cpu_adam: bias corrections must be > 0, got ",
               text(bias_correction1), " and ", text(bias_correction2), "; compute them as 1 - beta**step with step >= 1");
   // Folded in double, as torch folds them in Python, then rounded once to float.
@@ -238,7 +251,7 @@ void adam_step(const std::vector<Tensor>& params, const std::vector<Tensor>& gra
   h.one_minus_beta2 = static_cast<float>(1.0 - beta2);
   h.stochastic_rounding = stochastic_rounding;
   h.probe = false;
-  launch(params, grads, exp_avgs, exp_avg_sqs, bf16_outs, h, seed, step);
+  launch(params, grads, exp_avgs, exp_avg_sqs, bf16_outs, h, seed, step, counter_offsets);
 }
 
 void bandwidth_probe(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
@@ -246,7 +259,7 @@ void bandwidth_probe(const std::vector<Tensor>& params, const std::vector<Tensor
                      const std::vector<Tensor>& bf16_outs) {
   Hyper h{};
   h.probe = true;
-  launch(params, grads, exp_avgs, exp_avg_sqs, bf16_outs, h, 0, 0);
+  launch(params, grads, exp_avgs, exp_avg_sqs, bf16_outs, h, 0, 0, {});
 }
 
 std::vector<std::string> isa_names(bool only_supported) {
@@ -269,7 +282,7 @@ TORCH_LIBRARY(cpu_adam, m) {
       "adam_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
       "Tensor(d!)[] bf16_outs, float lr, float beta1, float beta2, float eps, float weight_decay, "
       "bool adamw_mode, float bias_correction1, float bias_correction2, float grad_scale, "
-      "bool stochastic_rounding, int seed, int step) -> ()");
+      "bool stochastic_rounding, int seed, int step, int[] counter_offsets) -> ()");
   m.def(
       "bandwidth_probe_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
       "Tensor(d!)[] bf16_outs) -> ()");

@@ -145,3 +145,62 @@ def test_same_bits_with_any_thread_count(threads: int) -> None:
     finally:
         torch.set_num_threads(before)
     assert_same_bits(result, reference, f"{threads} threads")
+
+
+def _sr_step(params: list[torch.Tensor], grads: list[torch.Tensor], **kwargs) -> None:
+    ops.adam_step(
+        params,
+        grads,
+        [torch.zeros(p.numel()) for p in params],
+        [torch.zeros(p.numel()) for p in params],
+        step=1,
+        lr=1e-3,
+        beta1=0.9,
+        beta2=0.999,
+        eps=1e-8,
+        stochastic_rounding=True,
+        seed=7,
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize("split", [2, 4096, 10_000])
+def test_counter_offsets_make_the_bits_independent_of_how_tensors_are_split(split: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    whole = torch.randn(20_000, generator=g).to(torch.bfloat16)
+    grad = torch.randn(20_000, generator=g).to(torch.bfloat16)
+    parts = [whole[:split].clone(), whole[split:].clone()]
+    _sr_step(parts, [grad[:split], grad[split:]], counter_offsets=[0, split])
+    _sr_step([whole], [grad])
+    assert_same_bits(torch.cat(parts), whole, f"split at {split}")
+    shifted = whole.clone()
+    _sr_step([shifted], [grad], counter_offsets=[2])
+    assert not torch.equal(shifted, whole), "another offset must give other bits"
+
+
+def test_odd_counter_offsets_are_refused() -> None:
+    with pytest.raises(RuntimeError, match="even"):
+        _sr_step([torch.zeros(4, dtype=torch.bfloat16)], [torch.zeros(4)], counter_offsets=[1])
+
+
+def test_offload_stochastic_rounding_does_not_depend_on_the_bucket_size() -> None:
+    from offload_helpers import batches, lm_loss, make_model
+
+    from cpu_adam import OffloadOptimizer
+
+    def train(bucket_size: int) -> list[torch.Tensor]:
+        model = make_model(0)
+        opt = OffloadOptimizer(
+            model.parameters(),
+            master_weights_dtype=torch.bfloat16,
+            stochastic_rounding=True,
+            seed=3,
+            bucket_size=bucket_size,
+        )
+        for tokens in batches(3):
+            lm_loss(model, tokens).backward()
+            opt.step()
+        return [m.clone() for m in opt.master_weights()]
+
+    for a, b in zip(train(1024), train(1 << 20)):
+        assert_same_bits(a, b, "bucket sizes 1024 and 2^20")
