@@ -54,6 +54,19 @@ DEFAULT_BUCKET_SIZE = 2**23  # elements: 16 MiB of bf16 grads per copy, far past
 STATE_DICT_FORMAT = "cpu_adam.OffloadOptimizer/1"
 
 
+def _checked_max_grad_norm(value: Any) -> float | None:
+    # Checked on every assignment (a scheduler's, a loaded state dict's): a norm <= 0 would turn
+    # descent into ascent or ignore the grads.
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+        raise ValueError(
+            f"cpu_adam.OffloadOptimizer: max_grad_norm must be a finite number > 0, or None for no clipping; "
+            f"got {value!r}"
+        )
+    return float(value)
+
+
 def _chunks(group: GroupBuffers, size: int) -> list[tuple[int, int]]:
     """Runs of consecutive buckets of about ``size`` elements of this rank's shard: one kernel call each."""
     runs, first, numel = [], 0, 0
@@ -127,8 +140,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
             raise ValueError(
                 "stochastic_rounding applies to bf16 master weights: pass master_weights_dtype=torch.bfloat16"
             )
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm}")
         if max_inflight_buckets < 1:
             raise ValueError(f"max_inflight_buckets must be at least 1, got {max_inflight_buckets}")
 
@@ -224,6 +235,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
         return params[0].device
 
     # -- step ---------------------------------------------------------------------------------
+
+    @property
+    def max_grad_norm(self) -> float | None:
+        """The clipping threshold of the global grad norm; None does not clip."""
+        return self._max_grad_norm
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, value: float | None) -> None:
+        self._max_grad_norm = _checked_max_grad_norm(value)
 
     _step_supports_amp_scaling = True  # so torch.amp.GradScaler hands its scale to step(), which refuses it
 
@@ -365,9 +385,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
             grad_scale=scale,
             stochastic_rounding=self.stochastic_rounding,
         )
-        stepped = [i for i, got in enumerate(group.got) if got]
-        for i in stepped:
-            group.steps[i] += 1
         # Chunk by chunk (whole buckets): each chunk's uploads overlap the next chunk's compute.
         for first, last in _chunks(group, KERNEL_CHUNK):
             for step, tensors in self._kernel_lists(g, group, first, last).items():
@@ -376,6 +393,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 )
             for b in range(first, last):
                 self._publish(group, b, only_stepped=True)
+        # Counted once the kernel has run: a step that raised leaves the bias corrections as they were.
+        group.steps = [n + got for n, got in zip(group.steps, group.got)]
 
     def _kernel_lists(self, g: int, group: GroupBuffers, first: int, last: int) -> dict[int, tuple[list, ...]]:
         """The kernel's (masters, grads, exp_avgs, exp_avg_sqs, bf16_outs, counter offsets) of buckets
@@ -393,7 +412,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 (i, part, host, b) for b in range(first, last) for i, part, host in group.piece_segments(b)
             ]
         plan = [s for s in group.chunk_plans[key] if group.got[s[0]]]
-        steps = {group.steps[i] for i, *_ in plan}
+        steps = {group.steps[i] + 1 for i, *_ in plan}  # the step being taken
         reusable = len(plan) == len(group.chunk_plans[key]) and len(steps) == 1
         reusable = reusable and all(group.buckets[b].flushes <= 1 for b in range(first, last))
         if reusable and key in group.kernel_lists:
@@ -401,7 +420,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         direct = self._dev.host_addressable and self._comm is None  # the kernel writes into the params
         by_step: dict[int, list[list]] = {}
         for i, part, host, b in plan:
-            runs = by_step.setdefault(group.steps[i], [])
+            runs = by_step.setdefault(group.steps[i] + 1, [])
             if not direct and runs and runs[-1][3] == b and runs[-1][4] == i - 1:
                 runs[-1][0], runs[-1][4] = slice(runs[-1][0].start, host.stop), i
             else:
@@ -599,6 +618,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 group is not None and [tuple(s) for s in saved["shapes"]] != [tuple(s) for s in group.layout.shapes]
             ):
                 raise ValueError(f"param group {g} of the state dict holds other parameters than this optimizer's")
+        max_grad_norm = _checked_max_grad_norm(state_dict["max_grad_norm"])
         zero = state_dict.get("zero")
         if zero is not None:
             check_shard(zero, self.rank, self.world_size, self.bucket_size)
@@ -630,7 +650,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             options.update({k: v for k, v in saved.items() if k != "params"})
         self.seed = int(state_dict["seed"])
         self.skipped_steps = int(state_dict["skipped_steps"])
-        self.max_grad_norm = state_dict["max_grad_norm"]
+        self.max_grad_norm = max_grad_norm
         self._grads.reset()
 
     def __del__(self) -> None:

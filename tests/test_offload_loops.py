@@ -221,3 +221,32 @@ def test_step_warns_when_the_model_params_were_replaced():
     lm_loss(model, batches(1)[0]).backward()
     with pytest.warns(RuntimeWarning, match=r"no grad reached.*assign=True.*build the optimizer again"):
         opt.step()
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), "1.0", True])
+def test_max_grad_norm_is_checked_on_every_assignment(bad):
+    model = make_model(0)
+    with pytest.raises(ValueError, match="max_grad_norm must be a finite number > 0"):
+        OffloadOptimizer(model.parameters(), max_grad_norm=bad, **HYPER)
+    opt = OffloadOptimizer(model.parameters(), max_grad_norm=1.0, **HYPER)
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        opt.max_grad_norm = bad
+    state = opt.state_dict()
+    state["max_grad_norm"] = bad
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        opt.load_state_dict(state)
+    assert opt.max_grad_norm == 1.0
+
+
+def test_a_step_that_raises_leaves_the_step_counts_alone(monkeypatch: pytest.MonkeyPatch):
+    model = make_model(0)
+    opt = OffloadOptimizer(model.parameters(), **HYPER)
+    lm_loss(model, batches(1)[0]).backward()
+
+    def failing_kernel(*args, **kwargs):
+        raise RuntimeError("simulated kernel failure")
+
+    monkeypatch.setattr(offload, "adam_step", failing_kernel)
+    with pytest.raises(RuntimeError, match="simulated"):
+        opt.step()
+    assert opt._groups[0].steps == [0] * len(opt._groups[0].params)
