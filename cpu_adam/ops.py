@@ -117,7 +117,8 @@ def adam_step(
         raise ValueError(f"cpu_adam: step counts from 1 (the step being taken), got {step}")
     outs = list(bf16_outs) if bf16_outs is not None else []
     _check_all(params, grads, exp_avgs, exp_avg_sqs, outs)
-    warn_if_single_threaded()
+    if not torch.compiler.is_compiling():  # a system call per step would break a compiled graph
+        warn_if_single_threaded()
     bias_correction1 = 1.0 - beta1**step if bias_correction else 1.0
     bias_correction2 = 1.0 - beta2**step if bias_correction else 1.0
     if counter_offsets is None:

@@ -13,6 +13,7 @@ from torch import Tensor
 from . import ops
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+_OWN_KEYS = ("bias_correction", "fp32_optimizer_states", "stochastic_rounding", "seed", "decoupled_weight_decay")
 
 
 def _local(t: Tensor) -> Tensor:
@@ -51,7 +52,7 @@ class CPUAdam(torch.optim.Optimizer):
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
-        weight_decay: float = 0.0,
+        weight_decay: float | None = None,
         *,
         adamw_mode: bool = True,
         bias_correction: bool = True,
@@ -59,11 +60,24 @@ class CPUAdam(torch.optim.Optimizer):
         fp32_optimizer_states: bool = True,
         stochastic_rounding: bool = False,
         seed: int | None = None,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
     ) -> None:
         if amsgrad:
             raise ValueError(
                 "CPUAdam does not implement amsgrad; use torch.optim.AdamW(amsgrad=True) for it, or drop amsgrad=True"
             )
+        if capturable or differentiable:
+            raise ValueError(
+                "CPUAdam supports neither capturable=True (CUDA graph capture of the step) nor differentiable=True "
+                "(autograd through the step); use torch.optim.AdamW for those"
+            )
+        del foreach, fused  # every step is one fused pass: both implementations of torch give these numbers
+        if weight_decay is None:  # as the optimizer it stands in for: torch.optim.AdamW or torch.optim.Adam
+            weight_decay = 1e-2 if adamw_mode else 0.0
         ops.check_hyper_parameters("CPUAdam", float(lr), betas, eps, weight_decay)
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,)).item())
@@ -75,7 +89,7 @@ class CPUAdam(torch.optim.Optimizer):
             "decoupled_weight_decay": adamw_mode,
             "bias_correction": bias_correction,
             "amsgrad": False,
-            "maximize": False,
+            "maximize": maximize,
             "fp32_optimizer_states": fp32_optimizer_states,
             "stochastic_rounding": stochastic_rounding,
             "seed": seed,
@@ -84,10 +98,12 @@ class CPUAdam(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        # Groups loaded from torch.optim.Adam/AdamW lack our keys.
+        # Groups loaded from torch.optim.Adam/AdamW lack our keys (and only those are added:
+        # keys torch's own __setstate__ puts in the defaults would change the state dict).
         for group in self.param_groups:
-            for key, value in self.defaults.items():
-                group.setdefault(key, value)
+            for key in _OWN_KEYS:
+                if key in self.defaults:
+                    group.setdefault(key, self.defaults[key])
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -100,8 +116,10 @@ class CPUAdam(torch.optim.Optimizer):
         return loss
 
     def _step_group(self, index: int, group: dict[str, Any]) -> None:
-        if group.get("amsgrad") or group.get("maximize"):
-            raise ValueError("CPUAdam supports neither amsgrad nor maximize; set them False in the param group")
+        if group.get("amsgrad") or group.get("capturable") or group.get("differentiable"):
+            raise ValueError(
+                "CPUAdam supports none of amsgrad, capturable and differentiable; set them False in the param group"
+            )
         # Params whose step counts differ (added later, or without grads on some
         # steps) need their own bias corrections: one kernel call per count.
         by_step: dict[int, list[Tensor]] = defaultdict(list)
@@ -128,6 +146,7 @@ class CPUAdam(torch.optim.Optimizer):
                 weight_decay=group["weight_decay"],
                 adamw_mode=group["decoupled_weight_decay"],
                 bias_correction=group["bias_correction"],
+                grad_scale=-1.0 if group.get("maximize") else 1.0,  # maximize: the step climbs the grad
                 stochastic_rounding=group["stochastic_rounding"],
                 seed=group["seed"],
                 counter_offsets=[offsets[id(p)] for p in params],
@@ -165,6 +184,9 @@ class CPUAdam(torch.optim.Optimizer):
             },
             "param_groups": state_dict["param_groups"],
         }
+        for saved in without_moments["state"].values():
+            if "step" in saved and not torch.is_tensor(saved["step"]):  # torch < 1.12 and DeepSpeed save a number
+                saved["step"] = torch.tensor(float(saved["step"]), dtype=torch.float32)
         super().load_state_dict(without_moments)
         for group, fp32 in zip(self.param_groups, keep_fp32_states):
             group["fp32_optimizer_states"] = fp32

@@ -286,3 +286,75 @@ def test_sparse_grad_raises_clear_error() -> None:
     embedding(torch.tensor([1, 2])).sum().backward()
     with pytest.raises(RuntimeError, match="sparse=False"):
         CPUAdam(embedding.parameters()).step()
+
+
+# ---- torch.optim conventions ----
+
+
+def _twin_steps(ours: CPUAdam, reference: torch.optim.Optimizer, ours_params, torch_params, steps: range) -> None:
+    for step in steps:
+        for p, q, g in zip(ours_params, torch_params, grads_for(ours_params, step)):
+            p.grad, q.grad = g.clone(), g.clone()
+        ours.step()
+        reference.step()
+
+
+@pytest.mark.parametrize("adamw_mode", [True, False])
+def test_default_weight_decay_is_the_replaced_optimizers(adamw_mode: bool) -> None:
+    # CPUAdam() stands in for torch.optim.AdamW() (weight decay 1e-2), CPUAdam(adamw_mode=False) for Adam() (0).
+    ours_params = make_params()
+    torch_params = clone_params(ours_params)
+    ours = CPUAdam(ours_params, adamw_mode=adamw_mode)
+    reference = (torch.optim.AdamW if adamw_mode else torch.optim.Adam)(torch_params, foreach=False)
+    assert ours.param_groups[0]["weight_decay"] == reference.param_groups[0]["weight_decay"]
+    _twin_steps(ours, reference, ours_params, torch_params, range(3))
+    for p, q in zip(ours_params, torch_params):
+        assert_close_in_ulps_of(p, q, 3 * 1e-3, "param")
+
+
+def test_maximize_climbs_as_torch_does() -> None:
+    ours_params = make_params()
+    torch_params = clone_params(ours_params)
+    ours = CPUAdam(ours_params, **HYPER, maximize=True, foreach=False, fused=True)
+    reference = torch.optim.AdamW(torch_params, **HYPER, maximize=True, foreach=False)
+    _twin_steps(ours, reference, ours_params, torch_params, range(4))
+    for p, q in zip(ours_params, torch_params):
+        assert_close_in_ulps_of(p, q, 4 * HYPER["lr"], "param")
+
+
+@pytest.mark.parametrize("option", ["capturable", "differentiable"])
+def test_capturable_and_differentiable_are_refused(option: str) -> None:
+    with pytest.raises(ValueError, match=option):
+        CPUAdam(make_params(), **{option: True})
+
+
+def test_a_state_dict_with_a_number_step_loads_and_steps() -> None:
+    # torch < 1.12 and DeepSpeed keep the step as a plain number.
+    params = make_params()
+    twins = clone_params(params)
+    ours, reference = CPUAdam(params, **HYPER), torch.optim.AdamW(twins, **HYPER, foreach=False)
+    _twin_steps(ours, reference, params, twins, range(2))
+    saved = copy.deepcopy(ours.state_dict())
+    for state in saved["state"].values():
+        state["step"] = int(state["step"].item())
+    loaded = CPUAdam(params, **HYPER)
+    loaded.load_state_dict(saved)
+    _twin_steps(loaded, reference, params, twins, range(2, 4))
+    assert all(float(s["step"]) == 4 for s in loaded.state.values())
+    for p, q in zip(params, twins):
+        assert_close_in_ulps_of(p, q, 4 * HYPER["lr"], "param")
+
+
+def test_state_dict_is_unchanged_by_load_deepcopy_and_pickle() -> None:
+    import pickle
+
+    params = make_params()
+    ours = CPUAdam(params, **HYPER)
+    for p, g in zip(params, grads_for(params, 0)):
+        p.grad = g
+    ours.step()
+    original = ours.state_dict()
+    loaded = CPUAdam(params, **HYPER)
+    loaded.load_state_dict(copy.deepcopy(original))
+    for other in (loaded, copy.deepcopy(ours), pickle.loads(pickle.dumps(ours))):
+        assert other.state_dict()["param_groups"] == original["param_groups"]
