@@ -115,8 +115,12 @@ def adam_step(
     """
     if step < 1:
         raise ValueError(f"cpu_adam: step counts from 1 (the step being taken), got {step}")
+    # Lists once: generators would be used up by the checks.
+    params, grads, exp_avgs, exp_avg_sqs = list(params), list(grads), list(exp_avgs), list(exp_avg_sqs)
     outs = list(bf16_outs) if bf16_outs is not None else []
     _check_all(params, grads, exp_avgs, exp_avg_sqs, outs)
+    if not (params or grads or exp_avgs or exp_avg_sqs or outs):
+        return  # nothing to step (the dispatcher needs a tensor to route the op)
     if not torch.compiler.is_compiling():  # a system call per step would break a compiled graph
         warn_if_single_threaded()
     bias_correction1 = 1.0 - beta1**step if bias_correction else 1.0
@@ -124,10 +128,10 @@ def adam_step(
     if counter_offsets is None:
         counter_offsets = back_to_back(params)
     _ops().adam_step_(
-        list(params),
-        list(grads),
-        list(exp_avgs),
-        list(exp_avg_sqs),
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
         outs,
         lr,
         beta1,

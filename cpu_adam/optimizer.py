@@ -127,8 +127,7 @@ class CPUAdam(torch.optim.Optimizer):
             if p.grad is None:
                 continue
             state = self._state_for(p, group)
-            state["step"] += 1
-            by_step[int(state["step"].item())].append(p)
+            by_step[int(state["step"].item()) + 1].append(p)  # the step being taken
         beta1, beta2 = group["betas"]
         offsets = dict(zip(map(id, group["params"]), ops.back_to_back(group["params"], ops.group_counter_base(index))))
         for step, params in by_step.items():
@@ -151,6 +150,8 @@ class CPUAdam(torch.optim.Optimizer):
                 seed=group["seed"],
                 counter_offsets=[offsets[id(p)] for p in params],
             )
+            for state in states:  # counted once the kernel has run: a step that raised changes no count
+                state["step"] += 1
 
     def _state_for(self, p: Tensor, group: dict[str, Any]) -> dict[str, Any]:
         state = self.state[p]

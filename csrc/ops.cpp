@@ -3,10 +3,12 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <Python.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <mutex>
 #include <set>
 #include <string>
@@ -41,6 +43,23 @@ DType dtype_of(const Tensor& t, const char* role, size_t i) {
   if (t.scalar_type() == at::kBFloat16) return DType::bf16;
   TORCH_CHECK(false, "cpu_adam: ", role, "[", text(i), "] has dtype ", t.scalar_type(),
               "; only float32 and bfloat16 are supported: convert it with .float() or .bfloat16()");
+}
+
+// Whether each element of `t` has memory of its own: dims sorted by stride, every stride must
+// step past everything the smaller dims span. Stride-0 (expanded) and overlapping as_strided
+// views fail; so do a few exotic layouts that do not overlap, which .clone() turns into good ones.
+bool elements_have_own_memory(const Tensor& t) {
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (|stride|, size)
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.size(d) > 1) dims.emplace_back(std::abs(t.stride(d)), t.size(d));
+  }
+  std::sort(dims.begin(), dims.end());
+  int64_t span = 0;  // elements covered by the dims so far, minus one
+  for (const auto& [stride, size] : dims) {
+    if (stride <= span) return false;
+    span += (size - 1) * stride;
+  }
+  return true;
 }
 
 struct Span {
@@ -90,8 +109,8 @@ std::vector<Tuple> prepare(const std::vector<Tensor>& params, const std::vector<
                            const std::vector<Tensor>& outs) {
   const size_t n = params.size();
   TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n,
-              "cpu_adam: params, grads, exp_avgs and exp_avg_sqs must have the same length, got ", text(n),
-              ", ", text(grads.size()), ", ", text(exp_avgs.size()), ", ", text(exp_avg_sqs.size()));
+              "cpu_adam: params, grads, exp_avgs and exp_avg_sqs must have the same length, got ", text(n), ", ",
+              text(grads.size()), ", ", text(exp_avgs.size()), ", ", text(exp_avg_sqs.size()));
   TORCH_CHECK(outs.empty() || outs.size() == n, "cpu_adam: bf16_outs must be empty or have one tensor per param, got ",
               text(outs.size()), " for ", text(n), " params");
   // No device or layout check: the dispatcher sends only dense CPU tensors here
@@ -104,8 +123,12 @@ std::vector<Tuple> prepare(const std::vector<Tensor>& params, const std::vector<
     for (int r = 0; r < 5; ++r) {
       if (!all[r]) continue;
       const Tensor& t = *all[r];
-      TORCH_CHECK(t.numel() == params[i].numel(), "cpu_adam: ", roles[r], "[", text(i), "] has ",
-                  text(t.numel()), " elements but params[", text(i), "] has ", text(params[i].numel()), "; each tuple must match in size");
+      TORCH_CHECK(t.numel() == params[i].numel(), "cpu_adam: ", roles[r], "[", text(i), "] has ", text(t.numel()),
+                  " elements but params[", text(i), "] has ", text(params[i].numel()),
+                  "; each tuple must match in size");
+      TORCH_CHECK(r == 1 || elements_have_own_memory(t), "cpu_adam: ", roles[r], "[", text(i),
+                  "] overlaps itself (an expanded or overlapping as_strided view), so its elements would take "
+                  "each other's updates; pass a tensor whose elements each have their own memory (.clone() it)");
       if (t.numel() > 0) spans.push_back(span_of(t, i, roles[r], r != 1));
     }
     Tuple& tu = tuples[i];
@@ -229,6 +252,11 @@ void launch(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
   std::vector<Tuple> tuples = prepare(params, grads, exp_avgs, exp_avg_sqs, outs);
   run_all(tuples, h, seed, step, counter_offsets);
   write_back(params, exp_avgs, exp_avg_sqs, outs, tuples);
+  // As torch's in-place ops do: a backward through a graph that saved these tensors before the
+  // step then fails instead of running on the new values.
+  for (const auto* written : {&params, &exp_avgs, &exp_avg_sqs, &outs}) {
+    for (const Tensor& t : *written) torch::autograd::impl::bump_version(t);
+  }
 }
 
 void adam_step(const std::vector<Tensor>& params, const std::vector<Tensor>& grads, const std::vector<Tensor>& exp_avgs,
@@ -237,12 +265,15 @@ void adam_step(const std::vector<Tensor>& params, const std::vector<Tensor>& gra
                double bias_correction2, double grad_scale, bool stochastic_rounding, int64_t seed, int64_t step,
                const std::vector<int64_t>& counter_offsets) {
   TORCH_CHECK(bias_correction1 > 0 && bias_correction2 > 0, "cpu_adam: bias corrections must be > 0, got ",
-              text(bias_correction1), " and ", text(bias_correction2), "; compute them as 1 - beta**step with step >= 1");
+              text(bias_correction1), " and ", text(bias_correction2),
+              "; compute them as 1 - beta**step with step >= 1");
   // Folded in double, as torch folds them in Python, then rounded once to float.
   Hyper h;
   h.step_size = static_cast<float>(lr / bias_correction1);
   h.inv_bc2_sqrt = static_cast<float>(1.0 / std::sqrt(bias_correction2));
-  h.eps = static_cast<float>(eps);
+  // The step flushes denormals, which would turn an eps below 2^-126 into 0 and a zero grad's
+  // update into 0/0: the smallest normal float keeps eps what it is for, a floor.
+  h.eps = eps > 0 ? std::max(static_cast<float>(eps), std::numeric_limits<float>::min()) : static_cast<float>(eps);
   h.decay = static_cast<float>(adamw_mode ? 1.0 - lr * weight_decay : 1.0);
   h.l2 = static_cast<float>(adamw_mode ? 0.0 : weight_decay);
   h.grad_scale = static_cast<float>(grad_scale);

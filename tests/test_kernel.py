@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import DTYPES, FP32_UNIT_ROUNDOFF, LAYOUTS, assert_same_bits, flushed, vector_isas
 
-from cpu_adam import _threads, ops
+from cpu_adam import CPUAdam, _threads, ops
 from cpu_adam.reference import adam_reference
 
 # Around every vector width (8, 16) and tail, the 4096-element thread block, and
@@ -321,3 +321,73 @@ def test_bad_arguments_raise_clear_errors() -> None:
         ops.adam_step([small()], [small()], [small()], [small()], step=0, **HYPER)
     with pytest.raises(RuntimeError, match="unknown ISA"), ops.force_isa("sse9"):
         pass
+
+
+# ---- the op is the boundary: all or nothing, version counters, valid edge cases ----
+
+
+def test_backward_after_step_fails_as_with_torch_adamw() -> None:
+    def saved_graph(optimizer_cls) -> None:
+        w = torch.nn.Parameter(torch.randn(8))
+        optimizer = optimizer_cls([w], lr=0.1)
+        loss = (w * w).sum()  # saves w for its backward
+        w.grad = torch.ones(8)
+        optimizer.step()
+        loss.backward()
+
+    with pytest.raises(RuntimeError, match="modified by an inplace operation") as torch_error:
+        saved_graph(torch.optim.AdamW)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation") as our_error:
+        saved_graph(CPUAdam)
+    assert type(our_error.value) is type(torch_error.value)
+
+
+def test_empty_lists_are_a_no_op_and_generators_are_read_once() -> None:
+    ops.adam_step([], [], [], [], step=1, **HYPER)
+    p, g, m, v = small(), small() + 1, small(), small()
+    ops.adam_step((t for t in [p]), (t for t in [g]), (t for t in [m]), (t for t in [v]), step=1, **HYPER)
+    assert (p != 0).all()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [lambda: small(n=1).expand(8), lambda: torch.zeros(10).as_strided((8,), (1,)).as_strided((3, 3), (1, 1))],
+    ids=["expanded", "overlapping"],
+)
+def test_a_tensor_overlapping_itself_is_refused_and_nothing_is_written(bad) -> None:
+    good = [small(), small() + 1, small(), small()]
+    before = [t.clone() for t in good]
+    p = bad()
+    tensors = [torch.zeros(p.numel()) for _ in range(3)]
+    with pytest.raises(RuntimeError, match="overlaps itself"):
+        ops.adam_step(
+            [good[0], p], [good[1], tensors[0]], [good[2], tensors[1]], [good[3], tensors[2]], step=1, **HYPER
+        )
+    assert all(torch.equal(a, b) for a, b in zip(good, before)), "a refused step wrote the first tuple"
+
+
+def test_a_tiny_eps_keeps_a_zero_grad_step_at_zero() -> None:
+    # eps below 2^-126 would be flushed to 0 with the denormals: 0/0 where torch leaves the param alone.
+    p = torch.ones(64)
+    ops.adam_step(
+        [p], [torch.zeros(64)], [torch.zeros(64)], [torch.zeros(64)], step=1, lr=0.1, beta1=0.9, beta2=0.999, eps=1e-40
+    )
+    w = torch.nn.Parameter(torch.ones(64))
+    w.grad = torch.zeros(64)
+    torch.optim.Adam([w], lr=0.1, eps=1e-40).step()
+    assert torch.equal(p, w.detach())
+
+
+def test_a_failed_cpuadam_step_changes_no_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = torch.nn.Parameter(torch.randn(8))
+    optimizer = CPUAdam([w], lr=0.1)
+    w.grad = torch.ones(8)
+    optimizer.step()
+
+    def failing(*args, **kwargs) -> None:
+        raise RuntimeError("simulated kernel failure")
+
+    monkeypatch.setattr(ops, "adam_step", failing)
+    with pytest.raises(RuntimeError, match="simulated"):
+        optimizer.step()
+    assert float(optimizer.state[w]["step"]) == 1
