@@ -6,7 +6,8 @@ once, on the first optimizer step.
 
 __version__ = "0.1.0"
 
+from .checkpoint import load_checkpoint, save_checkpoint
 from .offload import OffloadOptimizer
 from .optimizer import CPUAdam
 
-__all__ = ["CPUAdam", "OffloadOptimizer", "__version__"]
+__all__ = ["CPUAdam", "OffloadOptimizer", "__version__", "load_checkpoint", "save_checkpoint"]

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from cpu_adam import OffloadOptimizer
+from cpu_adam import OffloadOptimizer, load_checkpoint, save_checkpoint
 from cpu_adam.distributed import consolidate_state_dict, cores_per_local_rank
 
 VOCAB = 512
@@ -59,7 +59,7 @@ def main() -> None:
         process_group=dist.group.WORLD,
     )
     if args.resume:
-        opt.load_state_dict(torch.load(args.resume))  # sets the device weights too
+        opt.load_state_dict(load_checkpoint(args.resume))  # sets the device weights too
     if rank == 0:
         stats = opt.memory_stats()
         print(f"{world} ranks on {device.type}, {threads} CPU threads each, {stats['params'] / 1e6:.2f}M params")
@@ -79,11 +79,11 @@ def main() -> None:
 
     out = Path(args.out)
     out.mkdir(exist_ok=True)
-    torch.save(opt.state_dict(), out / f"shard{rank}.pt")
+    save_checkpoint(opt.state_dict(), out / f"shard{rank}.pt")  # a crash mid-save keeps the last one
     dist.barrier()
     if rank == 0:
-        full = consolidate_state_dict([torch.load(out / f"shard{r}.pt") for r in range(world)])
-        torch.save(full, out / "full.pt")
+        full = consolidate_state_dict([load_checkpoint(out / f"shard{r}.pt") for r in range(world)])
+        save_checkpoint(full, out / "full.pt")
         print(f"saved {out}/shard*.pt (one per rank) and {out}/full.pt (any number of ranks can load it)")
     dist.destroy_process_group()
 

@@ -1,0 +1,71 @@
+"""Atomic checkpoints: a save killed at any moment leaves the last complete checkpoint loadable."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from cpu_adam import load_checkpoint, save_checkpoint
+
+# A child that saves numbered checkpoints of about 40 MB back to back, forever.
+_SAVER = textwrap.dedent(
+    """
+    import sys, torch
+    from cpu_adam import save_checkpoint
+    path = sys.argv[1]
+    blob = torch.arange(10_000_000, dtype=torch.float32)
+    n = 0
+    while True:
+        n += 1
+        save_checkpoint({"n": n, "blob": blob + n}, path)
+        print(n, flush=True)
+    """
+)
+
+
+def test_round_trip(tmp_path: Path):
+    state = {"step": 3, "weights": torch.randn(5)}
+    save_checkpoint(state, tmp_path / "ckpt.pt")
+    loaded = load_checkpoint(tmp_path / "ckpt.pt")
+    assert loaded["step"] == 3 and torch.equal(loaded["weights"], state["weights"])
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"], "no temporary file left behind"
+
+
+def test_a_failed_save_keeps_the_old_checkpoint(tmp_path: Path):
+    save_checkpoint({"n": 1}, tmp_path / "ckpt.pt")
+
+    class Unpicklable:
+        def __reduce__(self):
+            raise RuntimeError("cannot be saved")
+
+    with pytest.raises(RuntimeError, match="cannot be saved"):
+        save_checkpoint({"n": 2, "bad": Unpicklable()}, tmp_path / "ckpt.pt")
+    assert load_checkpoint(tmp_path / "ckpt.pt") == {"n": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
+
+
+@pytest.mark.slow
+def test_kill_9_during_saves_always_leaves_the_last_complete_checkpoint(tmp_path: Path):
+    path = tmp_path / "ckpt.pt"
+    rng = random.Random(0)
+    for trial in range(4):
+        child = subprocess.Popen(
+            [sys.executable, "-c", _SAVER, str(path)], stdout=subprocess.PIPE, text=True, env=dict(os.environ)
+        )
+        done = int(child.stdout.readline())  # at least one save completed
+        time.sleep(rng.uniform(0.0, 0.3))  # then die somewhere in a later one
+        child.send_signal(signal.SIGKILL)
+        out, _ = child.communicate()
+        done = max([done, *map(int, out.split())])
+        loaded = load_checkpoint(path)
+        assert loaded["n"] >= done, f"trial {trial}: checkpoint {loaded['n']} older than the last completed {done}"
+        assert torch.equal(loaded["blob"], torch.arange(10_000_000, dtype=torch.float32) + loaded["n"])
