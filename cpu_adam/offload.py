@@ -54,6 +54,25 @@ DEFAULT_BUCKET_SIZE = 2**23  # elements: 16 MiB of bf16 grads per copy, far past
 STATE_DICT_FORMAT = "cpu_adam.OffloadOptimizer/1"
 
 
+def _check_no_shared_memory(params: list[Tensor]) -> None:
+    """Two param objects over the same memory would each be stepped, one overwriting the other."""
+    spans = sorted(
+        [
+            (p.untyped_storage().data_ptr(), p.storage_offset() * p.element_size(), p.numel() * p.element_size(), p)
+            for p in params
+            if p.numel() > 0
+        ],
+        key=lambda span: span[:3],
+    )
+    for (storage, start, size, p), (next_storage, next_start, _, q) in zip(spans, spans[1:]):
+        if storage == next_storage and next_start < start + size:
+            raise RuntimeError(
+                f"cpu_adam.OffloadOptimizer: the parameters of shape {tuple(p.shape)} and {tuple(q.shape)} share "
+                "memory (views of one tensor), so each would be stepped and overwrite the other. Tie them by "
+                "using one Parameter object (module.b.weight = module.a.weight), or .clone() one of them"
+            )
+
+
 def _checked_max_grad_norm(value: Any) -> float | None:
     # Checked on every assignment (a scheduler's, a loaded state dict's): a norm <= 0 would turn
     # descent into ascent or ignore the grads.
@@ -226,6 +245,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     f"cpu_adam.OffloadOptimizer: parameters must be dense, contiguous tensors; one of shape "
                     f"{tuple(p.shape)} is not (layout {p.layout}): make it contiguous before building the optimizer"
                 )
+        _check_no_shared_memory(params)
         devices = sorted({str(p.device) for p in params})
         if len(devices) > 1:
             raise RuntimeError(

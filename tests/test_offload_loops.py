@@ -250,3 +250,17 @@ def test_a_step_that_raises_leaves_the_step_counts_alone(monkeypatch: pytest.Mon
     with pytest.raises(RuntimeError, match="simulated"):
         opt.step()
     assert opt._groups[0].steps == [0] * len(opt._groups[0].params)
+
+
+def test_params_that_are_views_of_one_buffer_stay_views_or_are_refused():
+    buffer = torch.randn(2, 64, dtype=torch.bfloat16)
+    disjoint = [nn.Parameter(buffer[0]), nn.Parameter(buffer[1])]
+    opt = OffloadOptimizer(disjoint, lr=0.1, bucket_size=BUCKET)
+    for p in disjoint:
+        p.sum().backward()
+    opt.step()
+    assert torch.equal(buffer[0], disjoint[0].detach()) and torch.equal(buffer[1], disjoint[1].detach())
+    assert disjoint[0].data_ptr() == buffer[0].data_ptr(), "the params' storage moved"
+    overlapping = [nn.Parameter(buffer[0]), nn.Parameter(buffer.view(-1)[32:96])]
+    with pytest.raises(RuntimeError, match=r"share memory.*one Parameter object"):
+        OffloadOptimizer(overlapping, lr=0.1, bucket_size=BUCKET)
