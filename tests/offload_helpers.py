@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from cpu_adam._device import DeviceOps
+
 VOCAB = 61
 
 # The offload kernel computes in fp32 in torch AdamW's order; torch's CPU kernels may contract
@@ -174,3 +176,11 @@ def reentrant_checkpointed_loss(model: TinyLM, tokens: Tensor) -> Tensor:
     x = checkpoint(block, x, use_reentrant=True)
     logits = model.head(model.ln_f(x))
     return F.cross_entropy(logits.float().reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+
+class CopyingCPU(DeviceOps):
+    """The CPU treated like a GPU: separate staging areas, copies down, weights uploaded."""
+
+    @property
+    def host_addressable(self) -> bool:
+        return False

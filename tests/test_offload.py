@@ -10,6 +10,7 @@ import torch
 from offload_helpers import (
     MASTER_ATOL,
     AdamWOracle,
+    CopyingCPU,
     GradTap,
     assert_matches_oracle,
     batches,
@@ -356,16 +357,8 @@ def test_rejects_bad_hyper_parameters(option: dict, match: str):
         OffloadOptimizer(make_model().parameters(), **option)
 
 
-class _CopyingCPU(offload.DeviceOps):
-    """The CPU treated like a GPU: separate staging areas, copies down, weights uploaded."""
-
-    @property
-    def host_addressable(self) -> bool:
-        return False
-
-
 def test_the_copy_path_used_on_gpus(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(offload, "DeviceOps", _CopyingCPU)
+    monkeypatch.setattr(offload, "DeviceOps", CopyingCPU)
     model, params, tap, opt, oracle = build(max_norm=0.5)
     for i, tokens in enumerate(batches(6)):
         for chunk in tokens.chunk(2 if i % 2 else 1):  # with and without accumulation

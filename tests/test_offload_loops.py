@@ -12,6 +12,7 @@ import pytest
 import torch
 from offload_helpers import (
     AdamWOracle,
+    CopyingCPU,
     FailingBackward,
     GradTap,
     assert_matches_oracle,
@@ -164,14 +165,8 @@ def test_params_converted_after_construction_raise_at_step():
         opt.step()
 
 
-class _CopyingCPU(offload.DeviceOps):
-    @property
-    def host_addressable(self) -> bool:
-        return False
-
-
 def test_device_memory_stays_bounded_when_buckets_never_fill(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(offload, "DeviceOps", _CopyingCPU)
+    monkeypatch.setattr(offload, "DeviceOps", CopyingCPU)
     width, layers = 32, 16
     model = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(layers)]).to(torch.bfloat16)
     used = list(model)[: layers // 2]

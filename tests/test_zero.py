@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from offload_helpers import VOCAB, batches, lm_loss, make_model, reentrant_checkpointed_loss
+from offload_helpers import VOCAB, CopyingCPU, batches, lm_loss, make_model, reentrant_checkpointed_loss
 from rank_spawn import run_ranks
 from torch import nn
 
@@ -61,12 +61,6 @@ def _zero_opt(model: nn.Module, **options: Any) -> OffloadOptimizer:
 _CPU = offload.DeviceOps
 
 
-class _CopyingCPU(_CPU):
-    @property
-    def host_addressable(self) -> bool:
-        return False
-
-
 # -- rank functions (run in the spawned processes) ------------------------------------------
 
 
@@ -89,7 +83,7 @@ def _parity_rank(rank: int, world_size: int, out: Path) -> None:
 
     # "copying": the GPU code path (staging areas, reduced pieces copied down, weights uploaded
     # into their place and all-gathered in place), with the CPU standing in for the device.
-    offload.DeviceOps = _CopyingCPU
+    offload.DeviceOps = CopyingCPU
     model = make_model(0)
     opt = _zero_opt(model, max_grad_norm=0.5)
     offload.DeviceOps = _CPU
