@@ -127,7 +127,6 @@ class GradCollector:
         self._max_inflight = max_inflight
         self.micro = 0  # user backward passes completed in this window
         self._running: set[int] = set()  # graph tasks with our callback queued that have not ended
-        self._outer: int | None = None  # the graph task of the user backward in progress
         self._open: deque[tuple[GroupBuffers, int]] = deque()  # buckets with a staging area, oldest first
         self._inflight: deque[tuple[Event, list[Tensor]]] = deque()
         self.device_bytes = 0
@@ -150,6 +149,8 @@ class GradCollector:
         self._order = {key: n for n, key in enumerate(self._sequence)}
         self._next = 0  # position in the sequence of the next bucket to reduce in this backward
         self._ready: set[tuple[int, int]] = set()
+        self._order_learned = False
+        self._filled: list[tuple[int, int]] = []  # the first backward's buckets, in the order they filled
 
     def remove_hooks(self) -> None:
         for handle in self._hooks:
@@ -205,6 +206,8 @@ class GradCollector:
             return
         # ZeRO: reductions go in one fixed order on every rank (as DDP), whatever order the grads
         # come in, so ranks whose graphs differ still pair the same buckets.
+        if not self._order_learned:
+            self._filled.append((g, b))
         self._ready.add((g, b))
         while self._next < len(self._sequence) and self._sequence[self._next] in self._ready:
             self._reduce_next()
@@ -219,32 +222,44 @@ class GradCollector:
         self._flush(group, b)
 
     def _end_backward_in_order(self) -> None:
-        """ZeRO, at the end of a user backward: every bucket not reduced yet goes, in order."""
+        """ZeRO, at the end of a user backward: every bucket not reduced yet goes, in order.
+
+        After the first backward every rank takes the order in which rank 0's buckets filled (as
+        DDP rebuilds its buckets): a bucket that fills early is reduced early, and device memory
+        stays a few buckets, where the initial order (last bucket first) can hold many.
+        """
         while self._next < len(self._sequence):
             self._reduce_next()
         self._next = 0
+        if not self._order_learned:
+            self._order_learned = True
+            seen = set(self._filled)
+            order = self._filled + [key for key in self._sequence if key not in seen]
+            index = torch.tensor([self._order[key] for key in order], dtype=torch.int64, device=self._dev.device)
+            self._comm.broadcast_from_rank0(index)
+            self._sequence = [self._sequence[n] for n in index.tolist()]
+            self._order = {key: n for n, key in enumerate(self._sequence)}
 
     def _track_graph_task(self) -> None:
         task = torch._C._current_graph_task_id()
         if task in self._running:
             return
-        if not self._running:
-            self._outer = task  # no backward in progress: this one is a user's
         self._running.add(task)
         torch.autograd.Variable._execution_engine.queue_callback(lambda: self._end_graph_task(task))
 
     def _end_graph_task(self, task: int) -> None:
+        # A user backward ends when no graph task that packed grads is running any more: the
+        # nested ones of reentrant checkpointing end inside it, whichever started first.
         self._running.discard(task)
-        if self._comm is not None:
-            if task == self._outer:
-                self._end_backward_in_order()
-        else:
+        if self._comm is None:
             while self._open:
                 group, b = self._open[0]
                 self._flush(group, b)
-        if task == self._outer:
-            self._outer = None
-            self.micro += 1
+        if self._running:
+            return
+        if self._comm is not None:
+            self._end_backward_in_order()
+        self.micro += 1
 
     def _open_bucket(self, group: GroupBuffers, b: int) -> None:
         if len(self._open) >= OPEN_BUCKETS and self._comm is None:
@@ -380,7 +395,6 @@ class GradCollector:
         self.micro = 0
         self.launch_order = 0
         self._running.clear()
-        self._outer = None
         self._open.clear()
         self._next = 0
         self._ready.clear()

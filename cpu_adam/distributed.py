@@ -49,7 +49,9 @@ def consolidate_state_dict(shard_state_dicts: list[dict[str, Any]]) -> dict[str,
             if sd["zero"][key] != first["zero"][key]:
                 raise ValueError(f"consolidate_state_dict: the shards disagree on {key}: not from one checkpoint")
         if sd["state"].keys() != first["state"].keys() or any(
-            sd["state"][g]["step"] != first["state"][g]["step"] for g in first["state"]
+            (sd["state"][g]["step"], sd["state"][g].get("param_steps"))
+            != (first["state"][g]["step"], first["state"][g].get("param_steps"))
+            for g in first["state"]
         ):
             raise ValueError("consolidate_state_dict: the shards disagree on their groups or step counts")
     full = {k: v for k, v in first.items() if k not in ("zero", "state")}
@@ -59,6 +61,8 @@ def consolidate_state_dict(shard_state_dicts: list[dict[str, Any]]) -> dict[str,
         shapes = [torch.Size(s) for s in saved["shapes"]]
         layouts = [FlatLayout(shapes, bucket_size, world_size=world_size, rank=r) for r in range(world_size)]
         group = {"step": saved["step"], "shapes": saved["shapes"]}
+        if "param_steps" in saved:  # params that skipped steps keep their own bias corrections
+            group["param_steps"] = list(saved["param_steps"])
         for name in _STATE_TENSORS:
             group[name] = shards_to_full([sd["state"][g][name] for sd in by_rank], layouts)
         full["state"][g] = group

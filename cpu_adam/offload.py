@@ -215,7 +215,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
             for ps in trainable
         ]
         self._grads = GradCollector(self._dev, self._groups, max_inflight_buckets, self._comm)
-        self._self = weakref.ref(self)  # wrappers that copy this __dict__ (Lightning) are not the owner
+        # Wrappers that copy this __dict__ (Lightning's) are other objects: they must not close it.
+        # An id, not a weak reference: the cycle collector clears those before __del__ runs.
+        self._owner_id = id(self)
         _claim(trainable, self)
 
     # -- construction -------------------------------------------------------------------------
@@ -676,7 +678,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def __del__(self) -> None:
         # Only the optimizer itself: Lightning's wrapper copies this __dict__ and must not close it.
         try:
-            if self.__dict__.get("_self") is not None and self._self() is self:
+            if self.__dict__.get("_owner_id") == id(self):
                 self.close()
         except Exception:
             pass

@@ -259,3 +259,14 @@ def test_params_that_are_views_of_one_buffer_stay_views_or_are_refused():
     overlapping = [nn.Parameter(buffer[0]), nn.Parameter(buffer.view(-1)[32:96])]
     with pytest.raises(RuntimeError, match=r"share memory.*one Parameter object"):
         OffloadOptimizer(overlapping, lr=0.1, bucket_size=BUCKET)
+
+
+def test_an_optimizer_freed_by_the_cycle_collector_is_closed(monkeypatch: pytest.MonkeyPatch):
+    closed = []
+    monkeypatch.setattr(OffloadOptimizer, "close", lambda self: closed.append(self.rank))
+    model = make_model(0)
+    opt = OffloadOptimizer(model.parameters(), **HYPER)
+    opt.cycle = opt  # only the cycle collector frees it
+    del opt
+    gc.collect()
+    assert closed == [0]

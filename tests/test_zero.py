@@ -163,6 +163,30 @@ def _robustness_rank(rank: int, world_size: int, out: Path) -> None:
             opt.step()
         torch.save(_snapshot(model, opt), out / f"{variant}{rank}.pt")
 
+    # The MLP misses the first step on every rank: its params keep their own step counts.
+    model = make_model(0)
+    opt = _zero_opt(model)
+    for n, tokens in enumerate(data):
+        _mlp_scaled_loss(model, tokens, None if n == 0 else 1.0).backward()
+        opt.step()
+    torch.save(opt.state_dict(), out / f"late{rank}.pt")
+
+    # Two param groups, weights and biases, as recipes split them: after the first backward the
+    # buckets are reduced in the order they fill, so the device holds a few buckets, not all.
+    offload.DeviceOps = CopyingCPU
+    layers = nn.Sequential(*[nn.Linear(32, 32) for _ in range(8)]).to(torch.bfloat16)
+    weights = [m.weight for m in layers]
+    biases = [m.bias for m in layers]
+    opt = OffloadOptimizer([{"params": weights}, {"params": biases}], bucket_size=1024, process_group=dist.group.WORLD)
+    offload.DeviceOps = _CPU
+    peaks = []
+    for _ in range(3):
+        opt._grads.device_peak_bytes = 0
+        layers(torch.randn(4, 32, dtype=torch.bfloat16)).float().sum().backward()
+        peaks.append(opt._grads.device_peak_bytes)
+        opt.step()
+    torch.save(peaks, out / f"peaks{rank}.pt")
+
     # A param used in two reentrant-checkpointed segments: a clear error on every rank, no hang.
     model = make_model(0)
     opt = _zero_opt(model)
@@ -346,6 +370,28 @@ def test_ranks_whose_graphs_differ_reduce_in_one_order(robustness_run: Path):
     first = make_model(0)
     weights = _load(robustness_run, "unused")[0]["weights"]
     assert not torch.equal(weights[list(dict(first.named_parameters())).index("fc1.weight")], first.fc1.weight)
+
+
+def test_consolidation_keeps_each_params_step_count(robustness_run: Path):
+    shards = _load(robustness_run, "late")
+    full = consolidate_state_dict(shards)
+    steps = full["state"][0]["param_steps"]
+    names = list(dict(make_model(0).named_parameters()))
+    mlp = {i for i, name in enumerate(names) if name.split(".")[0] in ("ln1", "fc1", "fc2")}
+    assert [steps[i] for i in sorted(mlp)] == [3] * len(mlp)
+    assert all(steps[i] == 4 for i in range(len(steps)) if i not in mlp)
+    model = make_model(0)
+    opt = OffloadOptimizer(model.parameters(), **HYPER)
+    opt.load_state_dict(full)
+    assert opt._groups[0].steps == steps
+
+
+def test_zero_device_memory_after_the_first_backward_is_a_few_buckets(robustness_run: Path):
+    bucket_bytes = 1024 * 2
+    for first, *later in _load(robustness_run, "peaks"):
+        # The first backward reduces the last bucket first: the bias group's, which fills last.
+        assert first > 5 * bucket_bytes
+        assert all(peak <= 5 * bucket_bytes for peak in later), f"{later} bytes held"
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
