@@ -19,7 +19,7 @@ struct Segment {
   uint16_t* bf16_out;  // nullptr: no output copy
   int64_t n;
   uint32_t first_counter;  // counter of element 0 for stochastic rounding; even
-  uint32_t rng_key;        // (seed, step, tensor, high counter bits) hashed
+  uint32_t rng_key;        // (seed, step, high counter bits) hashed
 };
 
 struct Layout {
