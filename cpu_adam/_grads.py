@@ -15,14 +15,14 @@ overwritten, so contributions are summed in fp32, never in bf16. A param that go
 the window is left alone by the step, as torch's optimizers leave it.
 
 The end of a backward pass is seen through a callback queued on each autograd graph task a
-hook fired in: reentrant checkpointing runs nested graph tasks, whose callbacks only flush;
-the outermost one closes a micro-batch. A backward that raised never runs its callback: the
-step refuses to run on its partial grads until ``zero_grad()`` drops them.
+hook fired in (reentrant checkpointing runs nested ones): a user backward ends when none of
+them is running any more. A backward that raised never runs its callback: the step refuses to
+run on its partial grads until ``zero_grad()`` drops them.
 
 With ZeRO (a ``ShardComm``) the staging area holds the whole bucket; the flush
 reduce-scatters it (a sum: the optimizer folds the 1/N of the average into its grad scale)
-and only this rank's piece goes down. Every rank must flush its buckets in the same order;
-``launch_order`` fingerprints the order so the step can check it.
+and only this rank's piece goes down. Every rank reduces its buckets in one order, the same
+on all ranks whatever order their grads come in, so the collectives always pair up.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ class GroupBuffers:
         self.buckets = [BucketState() for _ in layout.buckets]
         self.got = [False] * len(params)  # which params got a grad in this window
         self.steps = [0] * len(params)  # Adam steps taken by each param (as torch counts them)
-        self.counter_base = canonical_offsets(layout.shapes)  # where each param's random bits start
+        self.counter_offsets = canonical_offsets(layout.shapes)  # where each param's random bits start
         self.bucket_sq: Tensor | None = None  # on the device: each bucket's squared norm
         # The step's segments and kernel lists per chunk of buckets; the lists are dropped when a
         # param's storage changes.
@@ -122,7 +122,6 @@ class GradCollector:
     ) -> None:
         self._dev = dev
         self._comm = comm
-        self.launch_order = 0  # a hash of the (group, bucket) sequence reduced in this window
         self._groups = groups
         self._max_inflight = max_inflight
         self.micro = 0  # user backward passes completed in this window
@@ -137,7 +136,6 @@ class GradCollector:
             for i, p in enumerate(group.params if group is not None else []):
                 self._hooks.append(p.register_hook(_make_clearer(weakref.ref(p))))
                 self._hooks.append(p.register_post_accumulate_grad_hook(_make_hook(ref, g, i)))
-        self._index = {id(group): g for g, group in enumerate(groups)}
         # ZeRO's reduction order: the last bucket first, as backward produces the grads of the
         # last layers first.
         self._sequence = [
@@ -276,8 +274,6 @@ class GradCollector:
         else:
             # ZeRO: the whole bucket is packed on the device, for the reduce-scatter.
             state.staging = torch.zeros(bucket.numel, dtype=torch.bfloat16, device=self._dev.device)
-        if self._dev.host_addressable:
-            state.staging.zero_()  # padding and params that do not arrive contribute zeros
         self._count_device(state.staging)
         self._open.append((group, b))
 
@@ -301,6 +297,13 @@ class GradCollector:
         self._open.remove((group, b))
         bucket = group.layout.buckets[b]
         staging = state.staging
+        if staging.untyped_storage().data_ptr() == group.grads.tensor.untyped_storage().data_ptr():
+            # The host buffer itself (CPU device): params that did not arrive still hold the last
+            # contribution, already folded into the accumulator. Padding is never written.
+            for i in range(bucket.first, bucket.last):
+                if i not in state.packed:
+                    lo, hi = group.layout.param_range(i)
+                    staging[lo - bucket.start : hi - bucket.start].zero_()
         where = group.host_slice(b)
         held = [staging]
         with self._dev.side_stream():
@@ -308,7 +311,6 @@ class GradCollector:
                 group.bucket_sq = torch.zeros(len(group.buckets), dtype=torch.float32, device=self._dev.device)
             mine = staging if where is None else staging[where[0]]
             if self._comm is not None and bucket.numel > 0:
-                self.launch_order = (self.launch_order * 1_000_003 + self._index[id(group)] * 65_537 + b) % (1 << 61)
                 # On the CPU the reduced piece lands in the host buffer; on a GPU in a device
                 # tensor (not in place in the staging area: gloo does not promise that works).
                 if self._dev.host_addressable:
@@ -393,7 +395,6 @@ class GradCollector:
     def reset(self) -> None:
         """Forgets the window's grads: the next backward starts a new one."""
         self.micro = 0
-        self.launch_order = 0
         self._running.clear()
         self._open.clear()
         self._next = 0

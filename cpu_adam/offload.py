@@ -381,13 +381,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def _global_norm(self) -> float:
         """The norm of the grads averaged over the ranks (the plain grad norm with one process)."""
-        if self._comm is not None:
-            self._comm.check_same(
-                "the order of the grad buckets' reduce-scatters in this step",
-                self._grads.launch_order,
-                "their backward passes produced grads in different orders (e.g. a parameter used on some ranks "
-                "only), so the grads were reduced wrongly; every rank must run the same graph each step",
-            )
         sq = self._grads.finish_window()
         if self._comm is None:
             return math.sqrt(sq)
@@ -455,7 +448,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 [group.exp_avg[h] for h, *_ in runs],
                 [group.exp_avg_sq[h] for h, *_ in runs],
                 [group.weights(i)[part] if direct else group.grads.tensor[h] for h, part, i, _, _ in runs],
-                [group_counter_base(g) + group.counter_base[i] + part.start for _, part, i, _, _ in runs],
+                [group_counter_base(g) + group.counter_offsets[i] + part.start for _, part, i, _, _ in runs],
             )
         if reusable:
             group.kernel_lists[key] = next(iter(out.values()))
@@ -540,7 +533,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._grads.remove_hooks()
         self.zero_grad()  # no placeholder grads left on the params
         self._dev.synchronize()
-        self._grads.reset()
         for group in self._groups:
             if group is not None:
                 group.grads.close()

@@ -125,7 +125,9 @@ def adam_step(
         warn_if_single_threaded()
     bias_correction1 = 1.0 - beta1**step if bias_correction else 1.0
     bias_correction2 = 1.0 - beta2**step if bias_correction else 1.0
-    if counter_offsets is None:
+    if not stochastic_rounding:
+        counter_offsets = []  # no random bits drawn
+    elif counter_offsets is None:
         counter_offsets = back_to_back(params)
     _ops().adam_step_(
         params,

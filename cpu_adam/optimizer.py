@@ -129,7 +129,11 @@ class CPUAdam(torch.optim.Optimizer):
             state = self._state_for(p, group)
             by_step[int(state["step"].item()) + 1].append(p)  # the step being taken
         beta1, beta2 = group["betas"]
-        offsets = dict(zip(map(id, group["params"]), ops.back_to_back(group["params"], ops.group_counter_base(index))))
+        offsets = {}
+        if group["stochastic_rounding"]:  # each param at its place in the group's counter space
+            offsets = dict(
+                zip(map(id, group["params"]), ops.back_to_back(group["params"], ops.group_counter_base(index)))
+            )
         for step, params in by_step.items():
             states = [self.state[p] for p in params]
             ops.adam_step(
@@ -148,7 +152,7 @@ class CPUAdam(torch.optim.Optimizer):
                 grad_scale=-1.0 if group.get("maximize") else 1.0,  # maximize: the step climbs the grad
                 stochastic_rounding=group["stochastic_rounding"],
                 seed=group["seed"],
-                counter_offsets=[offsets[id(p)] for p in params],
+                counter_offsets=[offsets[id(p)] for p in params] if offsets else None,
             )
             for state in states:  # counted once the kernel has run: a step that raised changes no count
                 state["step"] += 1

@@ -122,19 +122,7 @@ def test_same_bits_with_any_thread_count(threads: int) -> None:
     def run() -> torch.Tensor:
         param = torch.randn(200003, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
         grad = torch.randn(200003, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-        ops.adam_step(
-            [param],
-            [grad],
-            [torch.zeros(200003)],
-            [torch.zeros(200003)],
-            step=1,
-            lr=1e-3,
-            beta1=0.9,
-            beta2=0.999,
-            eps=1e-8,
-            stochastic_rounding=True,
-            seed=11,
-        )
+        _sr_step([param], [grad])
         return param
 
     before = torch.get_num_threads()
