@@ -2,8 +2,8 @@
 
 Params keep their own device storage; the flat layout (``_flat.py``) exists on the host only.
 A post-accumulate-grad hook packs each grad into its bucket's staging area and frees the grad
-at once. A complete bucket has its squared norm taken on the device and is copied down, on a
-side stream, into the group's pinned bf16 buffer; its staging area is freed only once the
+at once. A complete bucket has its params' squared norms taken on the device and is copied down,
+on a side stream, into the group's pinned bf16 buffer; its staging area is freed only once the
 host has seen the copy's event complete, and at most ``max_inflight`` copies stay pending.
 
 What a window (the backward passes since the last step) sends down is counted per bucket:
@@ -86,7 +86,8 @@ class GroupBuffers:
         self.got = [False] * len(params)  # which params got a grad in this window
         self.steps = [0] * len(params)  # Adam steps taken by each param (as torch counts them)
         self.counter_offsets = canonical_offsets(layout.shapes)  # where each param's random bits start
-        self.bucket_sq: Tensor | None = None  # on the device: each bucket's squared norm
+        self.param_sq: Tensor | None = None  # on the device: each param's squared grad norm in this window
+        self.sq_plans: dict[int, tuple[Tensor, list[slice]]] = {}  # per bucket: (param indices, slices of its piece)
         # The step's segments and kernel lists per chunk of buckets; the lists are dropped when a
         # param's storage changes.
         self.chunk_plans: dict[tuple[int, int], list[tuple[int, slice, slice, int]]] = {}
@@ -104,6 +105,19 @@ class GroupBuffers:
             (i, slice(lo - self.layout.offsets[i], hi - self.layout.offsets[i]), slice(host, host + hi - lo))
             for i, lo, hi, host in self.layout.segments(piece.flat, piece.flat + piece.numel, piece.host)
         ]
+
+    def sq_plan(self, b: int) -> tuple[Tensor, list[slice]]:
+        """The params of this rank's piece of bucket ``b`` (an index tensor on the device) and their slices of it."""
+        if b not in self.sq_plans:
+            piece = self.layout.pieces[b]
+            segments = self.piece_segments(b)
+            index = torch.tensor([i for i, _, _ in segments], dtype=torch.int64).to(self.param_device)
+            self.sq_plans[b] = index, [slice(h.start - piece.host, h.stop - piece.host) for _, _, h in segments]
+        return self.sq_plans[b]
+
+    @property
+    def param_device(self) -> torch.device:
+        return self.params[0].device
 
     def host_slice(self, b: int) -> tuple[slice, slice] | None:
         """(slice of the bucket's staging area, slice of the host buffers) of this rank's piece."""
@@ -149,6 +163,8 @@ class GradCollector:
         self._ready: set[tuple[int, int]] = set()
         self._order_learned = False
         self._filled: list[tuple[int, int]] = []  # the first backward's buckets, in the order they filled
+        self._window_sq: list[Tensor | None] | None = None  # once taken, the window is closed to new grads
+        self._factors: dict[tuple[int, int], list[Tensor | float]] = {}  # multiplications of placeholder grads
 
     def remove_hooks(self) -> None:
         for handle in self._hooks:
@@ -172,6 +188,11 @@ class GradCollector:
                 f"cpu_adam.OffloadOptimizer: the parameter of shape {tuple(param.shape)} got a {grad.layout} "
                 "gradient; the offload optimizer needs dense gradients (e.g. nn.Embedding(..., sparse=False))"
             )
+        if self._window_sq is not None:
+            raise RuntimeError(
+                "cpu_adam.OffloadOptimizer: a backward ran after the grad norm of this window was taken "
+                "(clip_grad_norm_ or a norm of a grad). Take norms and clip after the last backward before step()"
+            )
         self._track_graph_task()
         group = self._groups[g]
         b = group.layout.bucket_of[i]
@@ -193,7 +214,7 @@ class GradCollector:
         else:
             target.copy_(grad)
             state.packed.add(i)
-        param.grad = placeholder(param)  # the compute stream orders any reuse of this memory after the copy
+        param.grad = placeholder(param, self, g, i)  # the compute stream orders any reuse after the copy
         group.got[i] = True
         if len(state.packed) == bucket.last - bucket.first:
             self._bucket_complete(g, b)
@@ -229,6 +250,7 @@ class GradCollector:
         while self._next < len(self._sequence):
             self._reduce_next()
         self._next = 0
+        self._share_got()
         if not self._order_learned:
             self._order_learned = True
             seen = set(self._filled)
@@ -237,6 +259,24 @@ class GradCollector:
             self._comm.broadcast_from_rank0(index)
             self._sequence = [self._sequence[n] for n in index.tolist()]
             self._order = {key: n for n, key in enumerate(self._sequence)}
+
+    def _share_got(self) -> None:
+        """ZeRO: a param that got a grad on any rank has one on every rank (its bucket was reduced), as with DDP.
+
+        So every rank's placeholders are the same, and a clip_grad_norm_ over them the same on every rank.
+        """
+        flags = torch.tensor(
+            [int(x) for group in self._groups if group is not None for x in group.got],
+            dtype=torch.int32,
+            device=self._dev.device,
+        )
+        self._comm.all_reduce_max(flags)
+        shared = iter(flags.tolist())
+        for g, group in enumerate(self._groups):
+            for i, param in enumerate(group.params if group is not None else []):
+                if next(shared) and not group.got[i]:
+                    group.got[i] = True
+                    param.grad = placeholder(param, self, g, i)
 
     def _track_graph_task(self) -> None:
         task = torch._C._current_graph_task_id()
@@ -307,8 +347,8 @@ class GradCollector:
         where = group.host_slice(b)
         held = [staging]
         with self._dev.side_stream():
-            if group.bucket_sq is None:
-                group.bucket_sq = torch.zeros(len(group.buckets), dtype=torch.float32, device=self._dev.device)
+            if group.param_sq is None:
+                group.param_sq = torch.zeros(len(group.params), dtype=torch.float32, device=self._dev.device)
             mine = staging if where is None else staging[where[0]]
             if self._comm is not None and bucket.numel > 0:
                 # On the CPU the reduced piece lands in the host buffer; on a GPU in a device
@@ -319,8 +359,11 @@ class GradCollector:
                     mine = torch.empty_like(staging[where[0]])
                     held.append(self._count_device(mine))
                 self._comm.reduce_scatter(mine, staging)
-            if state.flushes == 0:  # a bucket flushed again has its norm taken on the host
-                group.bucket_sq[b] = torch.linalg.vector_norm(mine, dtype=torch.float32).square()
+            if state.flushes == 0 and where is not None:  # a bucket flushed again has its norms taken on the host
+                index, slices = group.sq_plan(b)
+                if slices:  # a piece may hold padding only
+                    norms = torch._foreach_norm([mine[s] for s in slices], 2, dtype=torch.float32)
+                    group.param_sq.index_copy_(0, index, torch.stack(norms).square())
             if where is not None:
                 self._dev.copy(group.grads.tensor[where[1]], mine)
             state.event = self._dev.record()
@@ -367,34 +410,75 @@ class GradCollector:
         """Returns once every copy down has landed in the host buffers."""
         self._reap(0)
 
-    def finish_window(self) -> float:
-        """After ``wait_all``: sums each bucket's contributions, returns this rank's squared grad norm.
+    def window_sq(self) -> list[Tensor | None]:
+        """Each param's squared grad norm of the window (float64, per group), summed over the ranks.
 
-        With ZeRO: of its pieces of the grads summed over ranks.
+        Taken once per window, after every backward of it (it folds the last contribution of
+        buckets flushed several times into the accumulator): a later backward raises.
         """
-        device_sq = []
-        host_sq = 0.0
-        for group in self._groups:
-            if group is None:
-                continue
-            for b, state in enumerate(group.buckets):
-                where = group.host_slice(b)
-                if state.flushes == 1:
-                    device_sq.append(group.bucket_sq[b])
-                elif state.flushes > 1 and where is not None:
-                    acc = group.accumulator[where[1]]
-                    acc.add_(group.grads.tensor[where[1]])
-                    host_sq += torch.linalg.vector_norm(acc, dtype=torch.float64).item() ** 2
-        sq = float(torch.stack(device_sq).sum()) if device_sq else 0.0
-        return sq + host_sq if math.isfinite(sq) else sq
+        if self._window_sq is not None:
+            return self._window_sq
+        self.check_finished()
+        self.wait_all()
+        sq = [None if group is None else self._group_sq(group) for group in self._groups]
+        if self._comm is not None:
+            flat = torch.cat([x for x in sq if x is not None]).to(self._dev.device)
+            self._comm.all_reduce_sum(flat)
+            parts = iter(flat.cpu().split([len(g.params) for g in self._groups if g is not None]))
+            sq = [None if group is None else next(parts) for group in self._groups]
+        self._window_sq = sq
+        return sq
+
+    def _group_sq(self, group: GroupBuffers) -> Tensor:
+        sq = torch.zeros(len(group.params), dtype=torch.float64)
+        if group.param_sq is not None:
+            sq.copy_(group.param_sq)
+        for b, state in enumerate(group.buckets):
+            if state.flushes > 1 and group.host_slice(b) is not None:
+                where = group.host_slice(b)[1]
+                acc = group.accumulator[where]
+                acc.add_(group.grads.tensor[where])
+                index, slices = group.sq_plan(b)
+                if slices:
+                    norms = torch._foreach_norm([acc[s] for s in slices], 2, dtype=torch.float64)
+                    sq[index.cpu()] = torch.stack(norms).square()
+        return sq
+
+    # -- what the placeholder grads ask (see _offloaded_grad.py) ------------------------------
+
+    def grad_norm(self, g: int, i: int) -> float:
+        """The 2-norm of param ``i``'s grad in this window (of the ranks' mean with ZeRO)."""
+        return math.sqrt(float(self.window_sq()[g][i])) / (1 if self._comm is None else self._comm.world_size)
+
+    def scale_grad(self, g: int, i: int, factor: Tensor | float) -> None:
+        self._factors.setdefault((g, i), []).append(factor)
+
+    def grad_factor(self) -> float:
+        """What the window's grads were multiplied by (clip_grad_norm_): one factor for all of them."""
+        groups = enumerate(self._groups)
+        got = [(g, i) for g, group in groups if group is not None for i, x in enumerate(group.got) if x]
+        recorded = [self._factors.get(key, []) for key in got]
+        if not any(recorded):
+            return 1.0
+        by_identity = {tuple(f if isinstance(f, (int, float)) else id(f) for f in fs) for fs in recorded}
+        values = {math.prod(float(f) for f in fs) for fs in recorded} if len(by_identity) > 1 else None
+        if values is not None and len(values) > 1:
+            raise RuntimeError(
+                "cpu_adam.OffloadOptimizer: the grads of this optimizer's params were multiplied by different "
+                "factors (clip_grad_norm_ over part of its params, or mul_ on some grads). The optimizer scales all "
+                "its grads alike: clip over all its params (e.g. model.parameters()), or use max_grad_norm"
+            )
+        return math.prod(float(f) for f in recorded[0])
 
     def grads_of(self, group: GroupBuffers, b: int) -> Tensor:
-        """The window's summed grads of bucket ``b`` (after ``finish_window``), in host-buffer coordinates."""
+        """The window's summed grads of bucket ``b`` (after ``window_sq``), in host-buffer coordinates."""
         return group.accumulator if group.buckets[b].flushes > 1 else group.grads.tensor
 
     def reset(self) -> None:
         """Forgets the window's grads: the next backward starts a new one."""
         self.micro = 0
+        self._window_sq = None
+        self._factors.clear()
         self._running.clear()
         self._open.clear()
         self._next = 0
@@ -403,7 +487,7 @@ class GradCollector:
             if group is None:
                 continue
             group.got = [False] * len(group.params)
-            group.bucket_sq = None
+            group.param_sq = None
             for state in group.buckets:
                 if state.staging is not None and not self._dev.host_addressable:
                     self.device_bytes -= state.staging.numel() * state.staging.element_size()

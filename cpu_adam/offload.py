@@ -278,7 +278,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             raise RuntimeError(
                 "cpu_adam.OffloadOptimizer does not take a GradScaler: bf16 has float32's exponent range, so loss "
                 "scaling is not needed. Call loss.backward() and optimizer.step() without the scaler; clip with "
-                "max_grad_norm, and non-finite grads skip the step by themselves"
+                "clip_grad_norm_ or max_grad_norm, and non-finite grads skip the step by themselves"
             )
         loss = None
         if closure is not None:
@@ -287,9 +287,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if self._comm is not None:
             self._comm.check_alive()  # also after a backward that failed on it
         self._grads.check_finished()
-        if not self._window_has_grads():
+        if not self._grads.has_grads:  # with ZeRO, the ranks shared which params got grads
             self._warn_no_grads()
             return loss  # no grads: like torch's optimizers, leave every param as it is
+        factor = self._grads.grad_factor()  # what clip_grad_norm_ multiplied the grads by
         t0 = time.perf_counter()
         self._grads.wait_all()
         t1 = time.perf_counter()
@@ -298,7 +299,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         norm = self._global_norm()
         self.last_grad_norm = norm
         t2 = time.perf_counter()
-        if not math.isfinite(norm):
+        if not math.isfinite(norm * factor):
             self.skipped_steps += 1
             logger.warning(
                 "cpu_adam.OffloadOptimizer: gradient norm is %s, step skipped (%d skipped so far)",
@@ -306,9 +307,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 self.skipped_steps,
             )
         else:
-            scale = 1.0
-            if self.max_grad_norm is not None:
-                scale = min(1.0, self.max_grad_norm / (norm + 1e-6))
+            scale = factor
+            if self.max_grad_norm is not None:  # of the grads as the caller left them
+                scale *= min(1.0, self.max_grad_norm / (norm * factor + 1e-6))
             scale /= self.world_size  # the collectives summed the ranks' grads: this makes it their mean
             with self._dev.side_stream():  # uploads wait for what the compute stream still does with the weights
                 for g, (options, group) in enumerate(zip(self.param_groups, self._groups)):
@@ -341,22 +342,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 "grads and runs Adam on the CPU. Capture the forward only, or train without CUDA graphs"
             )
 
-    def _window_has_grads(self) -> bool:
-        """Whether any param got a grad in this window, on any rank; with ZeRO the ranks share which did."""
-        if self._comm is None:
-            return self._grads.has_grads
-        got = torch.tensor(
-            [int(x) for group in self._groups if group is not None for x in group.got],
-            dtype=torch.int32,
-            device=self._dev.device,
-        )
-        self._comm.all_reduce_max(got)
-        flags = iter(got.tolist())
-        for group in self._groups:
-            if group is not None:
-                group.got = [bool(next(flags)) for _ in group.params]
-        return any(any(group.got) for group in self._groups if group is not None)
-
     def _check_param_storage(self) -> None:
         """Params changed after construction (dtype, device, shape) would be trained wrongly: refuse."""
         for group in self._groups:
@@ -380,13 +365,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     )
 
     def _global_norm(self) -> float:
-        """The norm of the grads averaged over the ranks (the plain grad norm with one process)."""
-        sq = self._grads.finish_window()
-        if self._comm is None:
-            return math.sqrt(sq)
-        total = torch.tensor([sq], dtype=torch.float64, device=self._dev.device)
-        self._comm.all_reduce_sum(total)
-        return math.sqrt(float(total)) / self.world_size
+        """The norm of the window's grads (of their mean over the ranks with ZeRO), before any scaling."""
+        sq = sum(float(x.sum()) for x in self._grads.window_sq() if x is not None)
+        return math.sqrt(sq) / self.world_size
 
     def _step_group(self, g: int, options: dict[str, Any], group: GroupBuffers, scale: float) -> None:
         beta1, beta2 = options["betas"]
@@ -576,20 +557,23 @@ class OffloadOptimizer(torch.optim.Optimizer):
         the rank, world size and bucket size that say how the shard was cut.
 
         Tensors are references to the live buffers (as with torch's optimizers): save or copy
-        the dict before the next step.
+        the dict before the next step. A group that has not stepped holds no tensors (its masters
+        are the params' weights, its moments zero), as torch's optimizers create state at the first
+        step: accelerate's ``prepare`` moves a state dict to the device and loads it back, which
+        must not put the whole host state on the GPU.
         """
-        self._sync_masters()
         state = {}
         for g, group in enumerate(self._groups):
-            if group is not None:
-                state[g] = {
-                    "step": max(group.steps),
-                    "param_steps": list(group.steps),
-                    "master": group.master,
-                    "exp_avg": group.exp_avg,
-                    "exp_avg_sq": group.exp_avg_sq,
-                    "shapes": [tuple(s) for s in group.layout.shapes],
-                }
+            if group is None:
+                continue
+            state[g] = {
+                "step": max(group.steps),
+                "param_steps": list(group.steps),
+                "shapes": [tuple(s) for s in group.layout.shapes],
+            }
+            if group.master_synced or any(group.steps):
+                self._sync_masters()
+                state[g].update(master=group.master, exp_avg=group.exp_avg, exp_avg_sq=group.exp_avg_sq)
         param_groups = []
         index = 0
         for options in self.param_groups:
@@ -632,6 +616,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 group is not None and [tuple(s) for s in saved["shapes"]] != [tuple(s) for s in group.layout.shapes]
             ):
                 raise ValueError(f"param group {g} of the state dict holds other parameters than this optimizer's")
+            if saved is not None and "master" not in saved and saved["step"] != 0:
+                raise ValueError(f"param group {g} of the state dict has taken steps but holds no master weights")
         max_grad_norm = _checked_max_grad_norm(state_dict["max_grad_norm"])
         zero = state_dict.get("zero")
         if zero is not None:
@@ -649,10 +635,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 if group is None:
                     continue
                 saved = state_dict["state"][g]
+                group.steps = [int(x) for x in saved.get("param_steps", [saved["step"]] * len(group.params))]
+                if "master" not in saved:  # a group that had not stepped: masters from the weights again
+                    group.exp_avg.zero_()
+                    group.exp_avg_sq.zero_()
+                    group.master_synced = False
+                    continue
                 for name in ("master", "exp_avg", "exp_avg_sq"):
                     tensor = saved[name] if zero is not None else full_to_shard(saved[name], group.layout)
                     getattr(group, name).copy_(tensor)
-                group.steps = [int(x) for x in saved.get("param_steps", [saved["step"]] * len(group.params))]
                 group.master_synced = True
                 # The device weights from the masters, rounded to bf16 as the kernel rounds its outputs.
                 group.grads.tensor.copy_(group.master)

@@ -89,6 +89,29 @@ def test_clipping_equals_clip_grad_norm():
     assert gap > 100 * MASTER_ATOL
 
 
+def test_a_state_dict_before_the_first_step_holds_no_tensors_and_loads_as_fresh():
+    # accelerate's prepare() sends the optimizer's state dict to the device and loads it back:
+    # before the first step that must not put the host state on the GPU.
+    model, _, _, opt, _ = build()
+    fresh_state = opt.state_dict()
+    assert not any(torch.is_tensor(v) for v in fresh_state["state"][0].values())
+    data = batches(4)
+    for tokens in data[:2]:
+        lm_loss(model, tokens).backward()
+        opt.step()
+    twin, _, _, twin_opt, _ = build()
+    model.load_state_dict(twin.state_dict())
+    opt.load_state_dict(fresh_state)  # the trained optimizer is a fresh one again
+    for m, o in ((model, opt), (twin, twin_opt)):
+        for tokens in data[2:]:
+            lm_loss(m, tokens).backward()
+            o.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
+    mine, ref = opt.state_dict(), twin_opt.state_dict()
+    for key in ("master", "exp_avg", "exp_avg_sq", "param_steps"):
+        assert torch.equal(torch.as_tensor(mine["state"][0][key]), torch.as_tensor(ref["state"][0][key])), key
+
+
 def test_non_finite_grad_skips_the_step(caplog: pytest.LogCaptureFixture):
     model, params, tap, opt, oracle = build(max_norm=1.0)
     data = batches(4)

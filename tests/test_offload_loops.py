@@ -28,7 +28,8 @@ from cpu_adam import offload
 from cpu_adam.offload import OffloadOptimizer
 
 BUCKET = 1024
-HYPER = dict(lr=1e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01, bucket_size=BUCKET)
+ADAMW = dict(lr=1e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
+HYPER = dict(ADAMW, bucket_size=BUCKET)
 
 
 def _simulated_oom(grad: torch.Tensor) -> None:
@@ -36,6 +37,7 @@ def _simulated_oom(grad: torch.Tensor) -> None:
 
 
 def _state(model: nn.Module, opt: OffloadOptimizer) -> list[torch.Tensor]:
+    opt.master_weights()  # taken from the weights: a state dict before the first step then holds them too
     sd = opt.state_dict()["state"][0]
     weights = [p.detach().clone() for p in model.parameters()]
     return weights + [sd[k].clone() for k in ("master", "exp_avg", "exp_avg_sq")]
@@ -99,7 +101,7 @@ def test_reentrant_checkpointing_with_shared_params_matches_adamw(micro_batches:
     params = list(model.parameters())
     tap = GradTap(params)
     opt = OffloadOptimizer(params, **HYPER)
-    oracle = AdamWOracle([{"params": params}], **{k: v for k, v in HYPER.items() if k != "bucket_size"})
+    oracle = AdamWOracle([{"params": params}], **ADAMW)
     for tokens in batches(6):
         for chunk in tokens.chunk(micro_batches):
             (reentrant_checkpointed_loss(model, chunk) / micro_batches).backward()
@@ -190,23 +192,83 @@ def offload_open_buckets() -> int:
     return OPEN_BUCKETS
 
 
-def test_clip_grad_norm_on_the_model_raises_naming_the_fix():
-    # What HF Trainer, accelerate and Lightning call: it must not clip nothing in silence.
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_clip_grad_norm_on_the_model_clips_for_real(micro_batches: int):
+    # What HF Trainer, accelerate and Lightning call: the norm is the real one, the clipping happens.
+    max_norm = 0.05  # well below the tiny model's grad norms: every step is clipped
+    model = make_model(0)
+    tap = GradTap(list(model.parameters()))
+    opt = OffloadOptimizer(model.parameters(), **HYPER)
+    oracle = AdamWOracle([{"params": list(model.parameters())}], **ADAMW)
+    data = batches(3 * micro_batches)
+    for step in range(3):
+        for tokens in data[step * micro_batches : (step + 1) * micro_batches]:
+            lm_loss(model, tokens).backward()
+        grads = tap.take()
+        for p in model.parameters():  # a grad's own norm too (what per-layer norm logging reads)
+            assert float(p.grad.data.norm()) == pytest.approx(float(grads[id(p)].norm()), rel=1e-5)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        expected = oracle.step(grads, max_norm=max_norm)
+        assert expected > 2 * max_norm
+        assert float(norm) == pytest.approx(expected, rel=1e-5)
+        opt.step()
+        assert opt.last_grad_norm == pytest.approx(expected, rel=1e-5)
+        assert_matches_oracle(opt, list(model.parameters()), oracle)
+        model.zero_grad()  # as HF Trainer does after the step
+
+
+def test_clipping_by_the_framework_and_by_the_optimizer_compose():
+    # Clipped to 0.1 by clip_grad_norm_, then to 0.05 by the optimizer: one clip to 0.05.
+    model = make_model(0)
+    tap = GradTap(list(model.parameters()))
+    opt = OffloadOptimizer(model.parameters(), **HYPER, max_grad_norm=0.05)
+    oracle = AdamWOracle([{"params": list(model.parameters())}], **ADAMW)
+    for tokens in batches(2):
+        lm_loss(model, tokens).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+        oracle.step(tap.take(), max_norm=0.05)
+        opt.step()
+        assert_matches_oracle(opt, list(model.parameters()), oracle)
+
+
+def test_other_uses_of_an_offloaded_grad_raise_and_change_nothing():
     model = make_model(0)
     opt = OffloadOptimizer(model.parameters(), **HYPER)
     lm_loss(model, batches(1)[0]).backward()
     grad = model.fc1.weight.grad
     assert grad.shape == model.fc1.weight.shape and grad.dtype == torch.bfloat16  # metadata stays readable
-    with pytest.raises(RuntimeError, match=r"max_grad_norm=\.\.\..*TrainingArguments\(max_grad_norm=0\)"):
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    with pytest.raises(RuntimeError, match=r"only its 2-norm.*max_grad_norm"):
+        grad + 1
+    with pytest.raises(RuntimeError, match="2-norm of the whole grad"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, norm_type=float("inf"))
+    with pytest.raises(RuntimeError, match="only its 2-norm"):
+        torch.nn.utils.clip_grad_value_(model.parameters(), 0.1)
+    torch.nn.utils.clip_grad_norm_([model.fc1.weight], 1e-4)  # part of the optimizer's params
+    before = _state(model, opt)
+    with pytest.raises(RuntimeError, match=r"different factors.*clip over all its params"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, _state(model, opt)))
     model.zero_grad()  # the module's own zero_grad drops the placeholders too
     assert all(p.grad is None for p in model.parameters())
-    before = [p.detach().clone() for p in model.parameters()]
-    opt.step()  # the window's grads are still the optimizer's
-    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    opt.zero_grad()
+    lm_loss(model, batches(1)[0]).backward()
+    opt.step()
+    assert not all(torch.equal(a, b) for a, b in zip(before, _state(model, opt)))
     opt.close()
     lm_loss(model, batches(1)[0]).backward()  # a closed optimizer leaves real grads where they belong
     assert type(model.fc1.weight.grad) is torch.Tensor
+
+
+def test_a_backward_after_the_norm_was_taken_raises():
+    model = make_model(0)
+    opt = OffloadOptimizer(model.parameters(), **HYPER)
+    lm_loss(model, batches(1)[0]).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    with pytest.raises(RuntimeError, match="after the grad norm of this window was taken"):
+        lm_loss(model, batches(1)[0]).backward()
+    opt.zero_grad()
+    lm_loss(model, batches(1)[0]).backward()
+    opt.step()
 
 
 def test_step_warns_when_the_model_params_were_replaced():

@@ -74,6 +74,16 @@ def _parity_rank(rank: int, world_size: int, out: Path) -> None:
     norms = _train(model, opt, halves)
     torch.save(_snapshot(model, opt, norms=norms), out / f"global{rank}.pt")
 
+    # "clip": as "global", clipped by torch.nn.utils.clip_grad_norm_ on the model (as frameworks do).
+    model = make_model(0)
+    opt = _zero_opt(model)
+    norms = []
+    for tokens in halves:
+        lm_loss(model, tokens).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)))
+        opt.step()
+    torch.save(_snapshot(model, opt, norms=norms), out / f"clip{rank}.pt")
+
     # "fallback": the same through all-reduce + slice instead of reduce-scatter.
     model = make_model(0)
     opt = _zero_opt(model, max_grad_norm=0.5)
@@ -303,6 +313,17 @@ def test_ranks_hold_identical_device_weights(parity_run: Path):
     model = make_model(seed=9)
     OffloadOptimizer(model.parameters(), **HYPER).load_state_dict(full)
     assert all(torch.equal(a, b) for a, b in zip(ranks[0]["weights"], model.parameters()))
+
+
+def test_clip_grad_norm_on_the_model_clips_every_rank_alike(parity_run: Path):
+    # The norm is of the averaged grads, the same on every rank; the clipping is the optimizer's own.
+    clip, own = _load(parity_run, "clip"), _load(parity_run, "global")
+    assert clip[0]["norms"] == clip[1]["norms"]
+    assert clip[0]["norms"] == pytest.approx(own[0]["norms"], rel=1e-5)
+    assert min(clip[0]["norms"]) > 2 * 0.5  # every step was clipped
+    for a, b in zip(clip, own):
+        mine, ref = a["state"]["state"][0]["master"], b["state"]["state"][0]["master"]
+        torch.testing.assert_close(mine, ref, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("variant", ["fallback", "copying"])
