@@ -37,9 +37,18 @@ _METADATA = {
     "dim",
     "numel",
     "element_size",
+    "stride",
+    "is_contiguous",
+    "is_floating_point",
+    "is_complex",
+    "requires_grad_",
+    "_has_compatible_shallow_copy_type",
     "__repr__",
     "__format__",
+    "data",
 }
+
+_MOVES = {"to", "cpu", "cuda", "bfloat16", "float", "half", "double", "type"}
 
 _FIX = (
     "cpu_adam.OffloadOptimizer took this grad to host memory during backward, so it cannot be used on the "
@@ -68,14 +77,23 @@ class OffloadedGrad(Tensor):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         owner = getattr(getattr(func, "__self__", None), "__name__", "")
-        if owner == "data":  # grad.data is the grad itself here: the host holds the numbers
+        if owner == "data" and name == "__get__":  # grad.data is the grad itself: the host holds the numbers
             return args[0]
         if name in _METADATA or owner in _METADATA:
             return super().__torch_function__(func, types, args, kwargs)
+        if name in _MOVES:  # model.to(...) / model.cpu() move the grads too: still held on the host
+            return args[0]._moved(func, *args[1:], **kwargs)
         handler = _HANDLERS.get(name)
         if handler is not None:
             return handler(*args, **kwargs)
         raise RuntimeError(f"{_FIX} (the call was {name or func})")
+
+    def _moved(self, func: Callable[..., Tensor], *args: Any, **kwargs: Any) -> OffloadedGrad:
+        with torch._C.DisableTorchFunctionSubclass():
+            element = torch.Tensor.as_strided(self, (), ())
+            moved = func(element, *args, **kwargs).expand(self.shape).as_subclass(OffloadedGrad)
+        moved._source = self._source
+        return moved
 
     def _norm(self, dtype: torch.dtype | None) -> Tensor:
         source, g, i = self._resolve()

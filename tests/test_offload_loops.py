@@ -332,3 +332,16 @@ def test_an_optimizer_freed_by_the_cycle_collector_is_closed(monkeypatch: pytest
     del opt
     gc.collect()
     assert closed == [0]
+
+
+def test_moving_the_model_moves_the_placeholder_grads():
+    # Lightning's teardown calls model.cpu(); scripts move models for evaluation or export.
+    model = make_model(0)
+    opt = OffloadOptimizer(model.parameters(), **HYPER)
+    lm_loss(model, batches(1)[0]).backward()
+    norm = float(model.fc1.weight.grad.norm())
+    model.cpu()
+    moved = model.fc1.weight.grad.to(torch.float32)
+    assert moved.dtype == torch.float32 and moved.stride() == (0, 0), "a placeholder must stay one element"
+    assert float(moved.norm()) == norm
+    opt.step()
