@@ -6,6 +6,8 @@ What a training script does with it: ``prepare``, ``accumulate``, ``backward``,
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,11 +17,11 @@ import torch
 pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
 
-from accelerate import Accelerator  # noqa: E402
-from accelerate.state import AcceleratorState, GradientState  # noqa: E402
-from tiny_gpt2 import tiny_gpt2, token_batches  # noqa: E402
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState
+from tiny_gpt2 import tiny_gpt2, token_batches
 
-from cpu_adam import CPUAdam, OffloadOptimizer  # noqa: E402
+from cpu_adam import CPUAdam, OffloadOptimizer
 
 ACCUMULATION = 2
 MAX_NORM = 0.05  # below the tiny model's grad norms: every step is clipped
@@ -131,3 +133,15 @@ def test_save_state_and_load_state_resume_exactly(kind: str, tmp_path: Path):
     _with_accelerate(accelerator, model, opt, data[half:])
     assert all(torch.equal(a, b) for a, b in zip(straight[0], model.parameters()))
     assert all(torch.equal(a, b) for a, b in zip(straight[1], _opt_state(opt)))
+
+
+def test_the_example_runs_and_resumes(tmp_path: Path):
+    example = Path(__file__).resolve().parents[1] / "examples" / "accelerate_train.py"
+    for extra in ([], ["--resume"]):
+        run = subprocess.run(
+            [sys.executable, str(example), *["--steps", "4"], "--out", str(tmp_path / "run"), *extra],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert run.returncode == 0, run.stderr[-3000:]

@@ -7,6 +7,8 @@ and safetensors weights.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +18,10 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from tiny_gpt2 import TokenDataset, tiny_gpt2  # noqa: E402
-from transformers import GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+from tiny_gpt2 import TokenDataset, tiny_gpt2
+from transformers import GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
-from cpu_adam import CPUAdam, OffloadOptimizer  # noqa: E402
+from cpu_adam import CPUAdam, OffloadOptimizer
 
 pytestmark = pytest.mark.slow
 
@@ -147,3 +149,34 @@ def test_resume_from_checkpoint_is_exact_and_weights_load_back(kind: str, tmp_pa
     trainer.save_model(str(tmp_path / "final"))  # safetensors
     loaded = GPT2LMHeadModel.from_pretrained(str(tmp_path / "final"), dtype=dtype)
     assert all(torch.equal(a, b) for a, b in zip(straight.state_dict().values(), loaded.state_dict().values()))
+
+
+def test_offload_optimizer_built_by_trainer_gets_its_param_groups(tmp_path: Path):
+    # optimizer_cls_and_kwargs: Trainer builds the optimizer over its decay / no-decay groups.
+    kwargs = {k: v for k, v in HYPER.items() if k != "weight_decay"} | {"bucket_size": 4096}
+    built = tiny_gpt2(0, torch.bfloat16)
+    trainer = _train(built, _args(tmp_path / "built"), optimizer_cls_and_kwargs=(OffloadOptimizer, kwargs))
+    groups = trainer.optimizer.param_groups
+    assert sorted(g["weight_decay"] for g in groups) == [0.0, HYPER["weight_decay"]]
+
+    by_hand = tiny_gpt2(0, torch.bfloat16)
+    decay = set(trainer.get_decay_parameter_names(by_hand))
+    named = [(n, p) for n, p in by_hand.named_parameters() if p.requires_grad]
+    hand_groups = [
+        {"params": [p for n, p in named if n in decay], "weight_decay": HYPER["weight_decay"]},
+        {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+    ]
+    _train(by_hand, _args(tmp_path / "by_hand"), optimizers=(OffloadOptimizer(hand_groups, **kwargs), None))
+    assert all(torch.equal(a, b) for a, b in zip(built.parameters(), by_hand.parameters()))
+
+
+def test_the_example_runs_and_resumes(tmp_path: Path):
+    example = Path(__file__).resolve().parents[1] / "examples" / "hf_trainer.py"
+    for extra in ([], ["--resume"]):
+        run = subprocess.run(
+            [sys.executable, str(example), *["--steps", "4"], "--out", str(tmp_path / "run"), *extra],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert run.returncode == 0, run.stderr[-3000:]

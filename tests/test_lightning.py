@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +17,7 @@ import torch
 L = pytest.importorskip("lightning.pytorch")
 pytest.importorskip("transformers")
 
-from tiny_gpt2 import token_batches, tiny_gpt2  # noqa: E402
+from tiny_gpt2 import tiny_gpt2, token_batches  # noqa: E402
 
 from cpu_adam import CPUAdam, OffloadOptimizer  # noqa: E402
 
@@ -114,3 +116,15 @@ def test_fit_from_a_checkpoint_resumes_exactly(kind: str, tmp_path: Path):
         for name in ("master", "exp_avg", "exp_avg_sq"):
             if name in mine[key] or name in ref[key]:
                 assert torch.equal(mine[key][name], ref[key][name]), name
+
+
+def test_the_example_runs_and_resumes(tmp_path: Path):
+    example = Path(__file__).resolve().parents[1] / "examples" / "lightning_train.py"
+    for extra in ([], ["--resume", "--epochs", "2"]):
+        run = subprocess.run(
+            [sys.executable, str(example), *["--epochs", "1"], "--out", str(tmp_path / "run"), *extra],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert run.returncode == 0, run.stderr[-3000:]
