@@ -58,6 +58,23 @@ def test_parity_with_torch_adamw_on_cuda():
         assert_matches_oracle(opt, params, oracle)
 
 
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_clip_grad_norm_on_the_model_clips_for_real_on_cuda(micro_batches: int):
+    # Per-param norms taken on the side stream; the framework's coefficient folded into the step.
+    model, params, tap, opt, oracle = build()
+    data = batches(4 * micro_batches, device="cuda")
+    for step in range(4):
+        for tokens in data[step * micro_batches : (step + 1) * micro_batches]:
+            lm_loss(model, tokens).backward()
+        grads = tap.take()
+        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05))
+        expected = oracle.step(grads, max_norm=0.05)
+        assert norm == pytest.approx(expected, rel=1e-4) and expected > 0.1
+        opt.step()
+        assert_matches_oracle(opt, params, oracle)
+        model.zero_grad()
+
+
 def test_accumulation_on_cuda():
     model, params, tap, opt, oracle = build()
     for tokens in batches(3, batch=16, device="cuda"):
