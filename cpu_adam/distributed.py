@@ -63,7 +63,7 @@ def consolidate_state_dict(shard_state_dicts: list[dict[str, Any]]) -> dict[str,
         group = {"step": saved["step"], "shapes": saved["shapes"]}
         if "param_steps" in saved:  # params that skipped steps keep their own bias corrections
             group["param_steps"] = list(saved["param_steps"])
-        for name in _STATE_TENSORS if "master" in saved else ():  # a group that had not stepped has none
+        for name in (n for n in _STATE_TENSORS if n in saved):  # a group that had not stepped has no moments
             group[name] = shards_to_full([sd["state"][g][name] for sd in by_rank], layouts)
         full["state"][g] = group
     return full

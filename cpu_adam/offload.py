@@ -39,6 +39,7 @@ from ._collectives import ShardComm
 from ._device import DeviceOps
 from ._flat import check_shard, full_to_shard
 from ._grads import GradCollector, GroupBuffers
+from ._handover import check_sources, hand_over, target_device
 from ._offloaded_grad import OffloadedGrad
 from ._threads import check_threads
 from .ops import adam_step, check_hyper_parameters, group_counter_base
@@ -149,6 +150,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         max_inflight_buckets: int = 2,
         stochastic_rounding: bool = False,
         seed: int | None = None,
+        device: str | torch.device | None = None,
     ) -> None:
         check_hyper_parameters("cpu_adam.OffloadOptimizer", float(lr), betas, eps, weight_decay)
         if master_weights_dtype not in (torch.float32, torch.bfloat16):
@@ -184,7 +186,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._warned_no_grads = False
 
         trainable = [[p for p in g["params"] if p.requires_grad] for g in self.param_groups]
-        self._dev = DeviceOps(self._check_params(trainable))
+        if device is None:
+            self._dev = DeviceOps(self._check_params(trainable))
+        else:  # a model on the CPU or the meta device, handed over (see _handover.py)
+            self._dev = DeviceOps(target_device(device))
+            check_sources([p for ps in trainable for p in ps], self._dev.device)
+            _check_no_shared_memory([p for ps in trainable for p in ps if not p.is_meta])
         _check_unclaimed(trainable)
         # Before anything is allocated, so a bad group leaves the model alone.
         self._comm = None if process_group is None else ShardComm(process_group, self._dev.device)
@@ -197,9 +204,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 (layout, bucket_size, str(master_weights_dtype), str(self.state_dtype), stochastic_rounding),
                 "build the optimizer on the same model, param groups and options on every rank",
             )
-            for ps in trainable:  # ranks initialised with other seeds would train a patchwork
-                for p in ps:
-                    self._comm.broadcast_from_rank0(p.detach())
+            if device is None:  # ranks initialised with other seeds would train a patchwork
+                for ps in trainable:
+                    for p in ps:
+                        self._comm.broadcast_from_rank0(p.detach())
         self._groups = [
             GroupBuffers(
                 ps,
@@ -214,6 +222,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
             else None
             for ps in trainable
         ]
+        # Params from the meta device, with their version when materialised: written before the first step?
+        self._unwritten: list[tuple[Tensor, int]] = []
+        if device is not None:
+            self._unwritten = hand_over(self._groups, self._dev.device, self._comm)
+            self._check_params(trainable)
         self._grads = GradCollector(self._dev, self._groups, max_inflight_buckets, self._comm)
         # Wrappers that copy this __dict__ (Lightning's) are other objects: they must not close it.
         # An id, not a weak reference: the cycle collector clears those before __del__ runs.
@@ -273,6 +286,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One Adam step on the grads of the backward passes since the last step or zero_grad."""
         self._check_usable()
+        self._check_written()
         if getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None:
             self.grad_scale = self.found_inf = None
             raise RuntimeError(
@@ -341,6 +355,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 "cpu_adam.OffloadOptimizer: step() cannot be captured in a CUDA graph: it waits on the host for the "
                 "grads and runs Adam on the CPU. Capture the forward only, or train without CUDA graphs"
             )
+
+    def _check_written(self) -> None:
+        if any(p._version == version for p, version in self._unwritten):
+            raise RuntimeError(
+                "cpu_adam.OffloadOptimizer: the model was built on the meta device and its weights were never "
+                "written: load them (model.load_state_dict(state_dict)) or initialise them before the first step"
+            )
+        self._unwritten = []
 
     def _check_param_storage(self) -> None:
         """Params changed after construction (dtype, device, shape) would be trained wrongly: refuse."""
@@ -557,10 +579,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
         the rank, world size and bucket size that say how the shard was cut.
 
         Tensors are references to the live buffers (as with torch's optimizers): save or copy
-        the dict before the next step. A group that has not stepped holds no tensors (its masters
-        are the params' weights, its moments zero), as torch's optimizers create state at the first
-        step: accelerate's ``prepare`` moves a state dict to the device and loads it back, which
-        must not put the whole host state on the GPU.
+        the dict before the next step. A group that has not stepped holds no moments (they are
+        zero) and no masters unless they differ from the params' weights (a model handed over from
+        the CPU in fp32), as torch's optimizers create state at the first step: accelerate's
+        ``prepare`` moves a state dict to the device and loads it back, which must not put the
+        whole host state on the GPU.
         """
         state = {}
         for g, group in enumerate(self._groups):
@@ -573,7 +596,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
             }
             if group.master_synced or any(group.steps):
                 self._sync_masters()
-                state[g].update(master=group.master, exp_avg=group.exp_avg, exp_avg_sq=group.exp_avg_sq)
+                state[g]["master"] = group.master
+            if any(group.steps):
+                state[g].update(exp_avg=group.exp_avg, exp_avg_sq=group.exp_avg_sq)
         param_groups = []
         index = 0
         for options in self.param_groups:
@@ -616,8 +641,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 group is not None and [tuple(s) for s in saved["shapes"]] != [tuple(s) for s in group.layout.shapes]
             ):
                 raise ValueError(f"param group {g} of the state dict holds other parameters than this optimizer's")
-            if saved is not None and "master" not in saved and saved["step"] != 0:
-                raise ValueError(f"param group {g} of the state dict has taken steps but holds no master weights")
+            if (
+                saved is not None
+                and saved["step"] != 0
+                and not all(k in saved for k in ("master", "exp_avg", "exp_avg_sq"))
+            ):
+                raise ValueError(f"param group {g} of the state dict has taken steps but lacks its masters or moments")
         max_grad_norm = _checked_max_grad_norm(state_dict["max_grad_norm"])
         zero = state_dict.get("zero")
         if zero is not None:
@@ -636,14 +665,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     continue
                 saved = state_dict["state"][g]
                 group.steps = [int(x) for x in saved.get("param_steps", [saved["step"]] * len(group.params))]
-                if "master" not in saved:  # a group that had not stepped: masters from the weights again
-                    group.exp_avg.zero_()
-                    group.exp_avg_sq.zero_()
+                for name in ("exp_avg", "exp_avg_sq"):
+                    getattr(group, name).zero_()  # a group that had not stepped saves none
+                if "master" not in saved:  # nor masters that were the weights: taken from them again
                     group.master_synced = False
                     continue
                 for name in ("master", "exp_avg", "exp_avg_sq"):
-                    tensor = saved[name] if zero is not None else full_to_shard(saved[name], group.layout)
-                    getattr(group, name).copy_(tensor)
+                    if name in saved:
+                        tensor = saved[name] if zero is not None else full_to_shard(saved[name], group.layout)
+                        getattr(group, name).copy_(tensor)
                 group.master_synced = True
                 # The device weights from the masters, rounded to bf16 as the kernel rounds its outputs.
                 group.grads.tensor.copy_(group.master)

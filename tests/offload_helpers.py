@@ -40,14 +40,14 @@ class TinyLM(nn.Module):
         return self.head(self.ln_f(x))
 
 
-def make_model(seed: int = 0, device: str | torch.device = "cpu") -> TinyLM:
+def make_model(seed: int = 0, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16) -> TinyLM:
     torch.manual_seed(seed)
     model = TinyLM()
     with torch.no_grad():  # LayerNorms away from their (1, 0) init, so weight decay shows on them
         for p in model.parameters():
             if p.dim() == 1:
                 p.add_(torch.randn_like(p) * 0.1)
-    return model.to(device=device, dtype=torch.bfloat16)
+    return model.to(device=device, dtype=dtype)
 
 
 def batches(

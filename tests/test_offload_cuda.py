@@ -271,6 +271,27 @@ def _backward_extra(model: nn.Module, params: list[torch.Tensor], **options) -> 
     return extra
 
 
+def test_a_cpu_model_handed_over_holds_only_its_bf16_weights_on_the_gpu():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)])  # fp32, on the CPU
+    fp32 = [p.detach().clone() for p in model.parameters()]
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    opt = OffloadOptimizer(model.parameters(), **HYPER, device="cuda")
+    weights = 2 * sum(p.numel() for p in fp32)
+    assert torch.cuda.memory_allocated() - base == weights
+    assert torch.cuda.max_memory_allocated() - base <= weights + 4 * 1024 * 1024 + 2**20  # one fp32 param in flight
+    assert all(p.is_cuda and p.dtype == torch.bfloat16 for p in model.parameters())
+    assert all(torch.equal(m, v) for m, v in zip(opt.master_weights(), fp32))
+    model.to("cuda")  # the buffers (none here); the params are there already
+    model(torch.randn(4, 1024, device="cuda", dtype=torch.bfloat16)).float().sum().backward()
+    opt.step()
+    assert all(
+        torch.equal(p.detach().cpu(), m.to(torch.bfloat16)) for p, m in zip(model.parameters(), opt.master_weights())
+    )
+
+
 def test_device_memory_bounded_with_unused_params():
     model = _mlp(used=LAYERS // 2)  # every bucket of the used half is full; the rest never fill
     params = list(model.parameters())

@@ -23,7 +23,7 @@ from torch import nn
 
 from cpu_adam import OffloadOptimizer, offload
 from cpu_adam import _threads as thread_share
-from cpu_adam._flat import FlatLayout, full_to_shard, shards_to_full
+from cpu_adam._flat import FlatLayout, canonical_offsets, full_to_shard, shards_to_full
 from cpu_adam.distributed import consolidate_state_dict
 
 pytestmark = pytest.mark.dist
@@ -161,6 +161,11 @@ def _robustness_rank(rank: int, world_size: int, out: Path) -> None:
     model = make_model(seed=rank)
     _zero_opt(model)
     torch.save([p.detach().clone() for p in model.parameters()], out / f"init{rank}.pt")
+
+    # The same, handed over from fp32 CPU models: rank 0's fp32 values become every rank's masters.
+    model = make_model(seed=rank, dtype=torch.float32)
+    opt = _zero_opt(model, device="cpu")
+    torch.save(_snapshot(model, opt), out / f"handover{rank}.pt")
 
     # Graphs that differ: rank 1 leaves the MLP out, or multiplies it by 0 (the same zero grads,
     # sent in another order). No hang, no error, the same bits.
@@ -324,6 +329,16 @@ def test_clip_grad_norm_on_the_model_clips_every_rank_alike(parity_run: Path):
     for a, b in zip(clip, own):
         mine, ref = a["state"]["state"][0]["master"], b["state"]["state"][0]["master"]
         torch.testing.assert_close(mine, ref, rtol=0, atol=1e-6)
+
+
+def test_a_model_handed_over_from_the_cpu_takes_rank_0s_fp32_values(robustness_run: Path):
+    ranks = _load(robustness_run, "handover")
+    master = consolidate_state_dict([r["state"] for r in ranks])["state"][0]["master"]
+    rank0 = list(make_model(seed=0, dtype=torch.float32).parameters())
+    for p, start in zip(rank0, canonical_offsets([p.shape for p in rank0])):
+        assert torch.equal(master[start : start + p.numel()], p.detach().reshape(-1))
+    for rank in ranks:
+        assert all(torch.equal(a, p.detach().to(torch.bfloat16)) for a, p in zip(rank["weights"], rank0))
 
 
 @pytest.mark.parametrize("variant", ["fallback", "copying"])
