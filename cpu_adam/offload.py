@@ -125,6 +125,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
     from its params (hooks removed, host buffers released). Host bytes per param: 14 (fp32
     master and states), 10 (bf16 states), 8 (bf16 master and states), see ``memory_stats()``.
 
+    With ``device`` the params may be on the CPU (any float dtype: their values become the master
+    weights at full precision) or on the meta device (their weights must be written before the
+    first step); they are moved to ``device`` as bf16 one at a time (``_handover.py``).
+
     With ``process_group`` (a ``torch.distributed`` group, e.g. ``dist.group.WORLD``) the ranks
     train one data-parallel model: grads are averaged over the ranks as DDP does, and each rank
     keeps 1/N of the host state (host bytes per param divided by N). Every rank must build the
