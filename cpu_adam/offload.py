@@ -120,10 +120,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
     ``params`` are the model's bf16 parameters (or param groups with their own ``lr``,
     ``betas``, ``eps``, ``weight_decay``), all on one device: a CUDA GPU, or the CPU. Params keep
     their own storage (the model stays an ordinary model); frozen ones are left alone. Grads are
-    taken from the params during backward (``param.grad`` then holds a placeholder that raises if
-    used): clip with ``max_grad_norm``, read the norm from ``last_grad_norm``. ``close()`` detaches the optimizer
-    from its params (hooks removed, host buffers released). Host bytes per param: 14 (fp32
-    master and states), 10 (bf16 states), 8 (bf16 master and states), see ``memory_stats()``.
+    taken from the params during backward (``param.grad`` then holds a placeholder that answers
+    its norm and scaling, so ``torch.nn.utils.clip_grad_norm_`` works, and raises on other uses):
+    clip with it or with ``max_grad_norm``; ``last_grad_norm`` holds the last step's norm.
+    ``close()`` detaches the optimizer from its params (hooks removed, host buffers released).
+    Host bytes per param: 14 (fp32 master and states), 10 (bf16 states), 8 (bf16 master and
+    states), see ``memory_stats()``.
 
     With ``device`` the params may be on the CPU (any float dtype: their values become the master
     weights at full precision) or on the meta device (their weights must be written before the
