@@ -1,10 +1,9 @@
-"""The backward side of the offload optimizer: per-group host storage, and grads from device to host.
+"""The backward side of the offload optimizer: which grads a window holds, and when buckets go down.
 
-Params keep their own device storage; the flat layout (``_flat.py``) exists on the host only.
-A post-accumulate-grad hook packs each grad into its bucket's staging area and frees the grad
-at once. A complete bucket has its params' squared norms taken on the device and is copied down,
-on a side stream, into the group's pinned bf16 buffer; its staging area is freed only once the
-host has seen the copy's event complete, and at most ``max_inflight`` copies stay pending.
+A post-accumulate-grad hook packs each grad into its bucket's staging area and leaves a
+placeholder in ``param.grad`` (``_offloaded_grad.py``). A complete bucket is handed to
+``Transfers`` (``_transfers.py``), which takes its params' squared norms and copies it into the
+group's pinned host buffer on the side stream.
 
 What a window (the backward passes since the last step) sends down is counted per bucket:
 each flush of a bucket is one contribution to its grad. A bucket flushed more than once (a
@@ -19,9 +18,9 @@ hook fired in (reentrant checkpointing runs nested ones): a user backward ends w
 them is running any more. A backward that raised never runs its callback: the step refuses to
 run on its partial grads until ``zero_grad()`` drops them.
 
-With ZeRO (a ``ShardComm``) the staging area holds the whole bucket; the flush
-reduce-scatters it (a sum: the optimizer folds the 1/N of the average into its grad scale)
-and only this rank's piece goes down. Every rank reduces its buckets in one order, the same
+With ZeRO (a ``ShardComm``) the staging area holds the whole bucket, which is reduce-scattered
+(a sum: the optimizer folds the 1/N of the average into its grad scale) so that only this
+rank's piece goes down. Every rank reduces its buckets in one order, the same
 on all ranks whatever order their grads come in, so the collectives always pair up.
 """
 
@@ -31,119 +30,36 @@ import math
 import weakref
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from ._collectives import ShardComm
-from ._device import DeviceOps, Event
-from ._flat import FlatLayout, canonical_offsets
+from ._device import DeviceOps
+from ._group import GroupBuffers
 from ._offloaded_grad import OffloadedGrad, placeholder
-from ._pinned import HostBuffer
+from ._transfers import Transfers
 
-__all__ = ["GradCollector", "GroupBuffers"]
+__all__ = ["GradCollector"]
 
 # Staging areas open at once (partly packed buckets): a bucket whose params do not all arrive
 # (unused params, an order unlike the registration order) is flushed early beyond this.
 OPEN_BUCKETS = 2
 
 
-@dataclass
-class BucketState:
-    staging: Tensor | None = None  # grads being packed since the bucket was last flushed
-    packed: set[int] = field(default_factory=set)  # params packed into the open staging area
-    flushes: int = 0  # contributions sent down in this window
-    event: Event = None  # completion of its last copy down
-
-
-class GroupBuffers:
-    """One param group: its params (each with its own device storage) and the host buffers of this shard."""
-
-    def __init__(
-        self,
-        params: list[Tensor],
-        dev: DeviceOps,
-        bucket_size: int,
-        master_dtype: torch.dtype,
-        state_dtype: torch.dtype,
-        *,
-        world_size: int = 1,
-        rank: int = 0,
-    ) -> None:
-        self.params = params
-        self.layout = layout = FlatLayout([p.shape for p in params], bucket_size, world_size=world_size, rank=rank)
-        n = layout.shard_numel
-        # Filled from the device weights at the first step, so weights loaded into the model
-        # after the optimizer was built are the ones trained.
-        self.master = torch.zeros(n, dtype=master_dtype)
-        self.master_synced = False
-        self.exp_avg = torch.zeros(n, dtype=state_dtype)
-        self.exp_avg_sq = torch.zeros(n, dtype=state_dtype)
-        self.grads: HostBuffer = dev.host_buffer(n, torch.bfloat16)  # grads down, then weights up
-        self.accumulator: Tensor | None = None
-        self.buckets = [BucketState() for _ in layout.buckets]
-        self.got = [False] * len(params)  # which params got a grad in this window
-        self.steps = [0] * len(params)  # Adam steps taken by each param (as torch counts them)
-        self.counter_offsets = canonical_offsets(layout.shapes)  # where each param's random bits start
-        self.param_sq: Tensor | None = None  # on the device: each param's squared grad norm in this window
-        self.sq_plans: dict[int, tuple[Tensor, list[slice]]] = {}  # per bucket: (param indices, slices of its piece)
-        # The step's segments and kernel lists per chunk of buckets; the lists are dropped when a
-        # param's storage changes.
-        self.chunk_plans: dict[tuple[int, int], list[tuple[int, slice, slice, int]]] = {}
-        self.kernel_lists: dict[tuple[int, int], tuple[list[Tensor], ...]] = {}
-        self.storage: list[int] = []
-
-    def weights(self, i: int) -> Tensor:
-        """Param ``i``'s own storage, flat."""
-        return self.params[i].detach().view(-1)
-
-    def piece_segments(self, b: int) -> list[tuple[int, slice, slice]]:
-        """(param, slice of its elements, slice of the host buffers) of this rank's piece of bucket ``b``."""
-        piece = self.layout.pieces[b]
-        return [
-            (i, slice(lo - self.layout.offsets[i], hi - self.layout.offsets[i]), slice(host, host + hi - lo))
-            for i, lo, hi, host in self.layout.segments(piece.flat, piece.flat + piece.numel, piece.host)
-        ]
-
-    def sq_plan(self, b: int) -> tuple[Tensor, list[slice]]:
-        """The params of this rank's piece of bucket ``b`` (an index tensor on the device) and their slices of it."""
-        if b not in self.sq_plans:
-            piece = self.layout.pieces[b]
-            segments = self.piece_segments(b)
-            index = torch.tensor([i for i, _, _ in segments], dtype=torch.int64).to(self.param_device)
-            self.sq_plans[b] = index, [slice(h.start - piece.host, h.stop - piece.host) for _, _, h in segments]
-        return self.sq_plans[b]
-
-    @property
-    def param_device(self) -> torch.device:
-        return self.params[0].device
-
-    def host_slice(self, b: int) -> tuple[slice, slice] | None:
-        """(slice of the bucket's staging area, slice of the host buffers) of this rank's piece."""
-        piece = self.layout.pieces[b]
-        if piece.numel == 0:
-            return None
-        start = piece.flat - self.layout.buckets[b].start
-        return slice(start, start + piece.numel), slice(piece.host, piece.host + piece.numel)
-
-
 class GradCollector:
     """Collects the grads of the backward passes of one accumulation window on the host."""
 
     def __init__(
-        self, dev: DeviceOps, groups: list[GroupBuffers | None], max_inflight: int, comm: ShardComm | None = None
+        self, dev: DeviceOps, groups: list[GroupBuffers | None], transfers: Transfers, comm: ShardComm | None = None
     ) -> None:
         self._dev = dev
         self._comm = comm
         self._groups = groups
-        self._max_inflight = max_inflight
+        self._transfers = transfers
         self.micro = 0  # user backward passes completed in this window
         self._running: set[int] = set()  # graph tasks with our callback queued that have not ended
         self._open: deque[tuple[GroupBuffers, int]] = deque()  # buckets with a staging area, oldest first
-        self._inflight: deque[tuple[Event, list[Tensor]]] = deque()
-        self.device_bytes = 0
-        self.device_peak_bytes = 0
         self._hooks = []
         ref = weakref.ref(self)
         for g, group in enumerate(groups):
@@ -306,15 +222,7 @@ class GradCollector:
         state = group.buckets[b]
         if state.flushes > 0:
             self._fold(group, b)
-        bucket = group.layout.buckets[b]
-        where = group.host_slice(b)
-        if self._comm is None and where is not None and where[0] == slice(0, bucket.numel):
-            # On the CPU the staging area is the host buffer itself: no copy down.
-            state.staging = self._dev.staging(group.grads.tensor[where[1]])
-        else:
-            # ZeRO: the whole bucket is packed on the device, for the reduce-scatter.
-            state.staging = torch.zeros(bucket.numel, dtype=torch.bfloat16, device=self._dev.device)
-        self._count_device(state.staging)
+        state.staging = self._transfers.staging_area(group, b)
         self._open.append((group, b))
 
     def _fold(self, group: GroupBuffers, b: int) -> None:
@@ -344,53 +252,10 @@ class GradCollector:
                 if i not in state.packed:
                     lo, hi = group.layout.param_range(i)
                     staging[lo - bucket.start : hi - bucket.start].zero_()
-        where = group.host_slice(b)
-        held = [staging]
-        with self._dev.side_stream():
-            if group.param_sq is None:
-                group.param_sq = torch.zeros(len(group.params), dtype=torch.float32, device=self._dev.device)
-            mine = staging if where is None else staging[where[0]]
-            if self._comm is not None and bucket.numel > 0:
-                # On the CPU the reduced piece lands in the host buffer; on a GPU in a device
-                # tensor (not in place in the staging area: gloo does not promise that works).
-                if self._dev.host_addressable:
-                    mine = group.grads.tensor[where[1]]
-                else:
-                    mine = torch.empty_like(staging[where[0]])
-                    held.append(self._count_device(mine))
-                self._comm.reduce_scatter(mine, staging)
-            if state.flushes == 0 and where is not None:  # a bucket flushed again has its norms taken on the host
-                index, slices = group.sq_plan(b)
-                if slices:  # a piece may hold padding only
-                    norms = torch._foreach_norm([mine[s] for s in slices], 2, dtype=torch.float32)
-                    group.param_sq.index_copy_(0, index, torch.stack(norms).square())
-            if where is not None:
-                self._dev.copy(group.grads.tensor[where[1]], mine)
-            state.event = self._dev.record()
+        state.event = self._transfers.down(group, b, staging, take_norms=state.flushes == 0)
         state.staging = None
         state.packed = set()
         state.flushes += 1
-        self._inflight.append((state.event, held))
-        self._reap(self._max_inflight)
-
-    def _count_device(self, t: Tensor) -> Tensor:
-        if not self._dev.host_addressable:
-            self.device_bytes += t.numel() * t.element_size()
-            self.device_peak_bytes = max(self.device_peak_bytes, self.device_bytes)
-        return t
-
-    def note_transient(self, t: Tensor) -> None:
-        """Counts a short-lived device buffer of the step in the peak (the held bytes do not change)."""
-        if not self._dev.host_addressable:
-            self.device_peak_bytes = max(self.device_peak_bytes, self.device_bytes + t.numel() * t.element_size())
-
-    def _reap(self, keep: int) -> None:
-        """Frees staging areas whose copy is done; waits for the oldest beyond ``keep`` pending."""
-        while self._inflight and (len(self._inflight) > keep or self._dev.done(self._inflight[0][0])):
-            event, held = self._inflight.popleft()
-            self._dev.wait_host(event)
-            if not self._dev.host_addressable:
-                self.device_bytes -= sum(t.numel() * t.element_size() for t in held)
 
     # -- the step's view of the window ------------------------------------------------------
 
@@ -408,7 +273,7 @@ class GradCollector:
 
     def wait_all(self) -> None:
         """Returns once every copy down has landed in the host buffers."""
-        self._reap(0)
+        self._transfers.wait_all()
 
     def window_sq(self) -> list[Tensor | None]:
         """Each param's squared grad norm of the window (float64, per group), summed over the ranks.
@@ -489,8 +354,8 @@ class GradCollector:
             group.got = [False] * len(group.params)
             group.param_sq = None
             for state in group.buckets:
-                if state.staging is not None and not self._dev.host_addressable:
-                    self.device_bytes -= state.staging.numel() * state.staging.element_size()
+                if state.staging is not None:
+                    self._transfers.drop(state.staging)
                 state.staging = None
                 state.packed = set()
                 state.flushes = 0

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from ._collectives import ShardComm
-from ._grads import GroupBuffers
+from ._group import GroupBuffers
 
 __all__ = ["check_sources", "hand_over", "target_device"]
 

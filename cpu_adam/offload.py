@@ -38,10 +38,12 @@ from torch import Tensor
 from ._collectives import ShardComm
 from ._device import DeviceOps
 from ._flat import check_shard, full_to_shard
-from ._grads import GradCollector, GroupBuffers
+from ._grads import GradCollector
+from ._group import GroupBuffers
 from ._handover import check_sources, hand_over, target_device
 from ._offloaded_grad import OffloadedGrad
 from ._threads import check_threads
+from ._transfers import Transfers
 from .ops import adam_step, check_hyper_parameters, group_counter_base
 
 __all__ = ["OffloadOptimizer"]
@@ -233,7 +235,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if device is not None:
             self._unwritten = hand_over(self._groups, self._dev.device, self._comm)
             self._check_params(trainable)
-        self._grads = GradCollector(self._dev, self._groups, max_inflight_buckets, self._comm)
+        self._transfers = Transfers(self._dev, self._comm, max_inflight_buckets)
+        self._grads = GradCollector(self._dev, self._groups, self._transfers, self._comm)
         # Wrappers that copy this __dict__ (Lightning's) are other objects: they must not close it.
         # An id, not a weak reference: the cycle collector clears those before __del__ runs.
         self._owner_id = id(self)
@@ -415,8 +418,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 adam_step(
                     *tensors[:4], bf16_outs=tensors[4], counter_offsets=tensors[5], step=step, seed=self.seed, **hyper
                 )
+            in_place = self._dev.host_addressable and self._comm is None  # the kernel wrote into the params
             for b in range(first, last):
-                self._publish(group, b, only_stepped=True)
+                self._transfers.up(group, b, group.got, in_place=in_place)
         # Counted once the kernel has run: a step that raised leaves the bias corrections as they were.
         group.steps = [n + got for n, got in zip(group.steps, group.got)]
 
@@ -462,38 +466,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if reusable:
             group.kernel_lists[key] = next(iter(out.values()))
         return out
-
-    def _publish(self, group: GroupBuffers, b: int, *, only_stepped: bool) -> None:
-        """Puts this rank's new bf16 weights of bucket ``b`` (in the host buffer) into the params' storage.
-
-        Call on the side stream. One process: each param's part goes up into its own storage.
-        ZeRO: the piece goes up into its place in a bucket buffer on the device, the bucket is
-        all-gathered there (NCCL allows it in place when the input is the rank's slice of the
-        output) and copied into the params; on the CPU the host buffer is the all-gather's input.
-        """
-        wanted = group.got if only_stepped else [True] * len(group.params)
-        if self._comm is None:
-            if self._dev.host_addressable and only_stepped:
-                return  # the kernel wrote into the params
-            for i, part, host in group.piece_segments(b):
-                if wanted[i]:
-                    self._dev.copy(group.weights(i)[part], group.grads.tensor[host])
-            return
-        piece, bucket = group.layout.pieces[b], group.layout.buckets[b]
-        if bucket.numel == 0:
-            return
-        buffer = torch.empty(bucket.numel, dtype=torch.bfloat16, device=self._dev.device)
-        self._grads.note_transient(buffer)
-        host = group.grads.tensor[piece.host : piece.host + piece.numel]
-        if not self._dev.host_addressable:
-            mine = buffer[piece.flat - bucket.start : piece.flat - bucket.start + piece.numel]
-            self._dev.copy(mine, host)
-            host = mine
-        self._comm.all_gather(buffer, host)
-        for i, lo, hi, _ in group.layout.segments(bucket.start, bucket.end, 0):
-            if wanted[i]:
-                start = group.layout.offsets[i]
-                group.weights(i)[lo - start : hi - start].copy_(buffer[lo - bucket.start : hi - bucket.start])
 
     def master_weights(self) -> list[Tensor]:
         """The host master weight of each trainable param (param_groups order, tied params once), as views."""
@@ -574,8 +546,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             "pinned": any(g.grads.pinned for g in groups),
             "accumulator_bytes": accumulator,
             "weights_bytes": sum(p.numel() * p.element_size() for g in groups for p in g.params),
-            "device_bytes": self._grads.device_bytes,
-            "device_peak_bytes": self._grads.device_peak_bytes,
+            "device_bytes": self._transfers.device_bytes,
+            "device_peak_bytes": self._transfers.device_peak_bytes,
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -685,7 +657,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 group.grads.tensor.copy_(group.master)
                 with self._dev.side_stream():
                     for b in range(len(group.layout.buckets)):
-                        self._publish(group, b, only_stepped=False)
+                        self._transfers.up(group, b, [True] * len(group.params))
                 self._dev.synchronize()  # before the host buffer receives grads again
         for options, saved in zip(self.param_groups, saved_groups):
             options.update({k: v for k, v in saved.items() if k != "params"})

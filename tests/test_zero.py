@@ -196,9 +196,9 @@ def _robustness_rank(rank: int, world_size: int, out: Path) -> None:
     offload.DeviceOps = _CPU
     peaks = []
     for _ in range(3):
-        opt._grads.device_peak_bytes = 0
+        opt._transfers.device_peak_bytes = 0
         layers(torch.randn(4, 32, dtype=torch.bfloat16)).float().sum().backward()
-        peaks.append(opt._grads.device_peak_bytes)
+        peaks.append(opt._transfers.device_peak_bytes)
         opt.step()
     torch.save(peaks, out / f"peaks{rank}.pt")
 

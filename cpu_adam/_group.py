@@ -1,0 +1,99 @@
+"""One param group of the offload optimizer: its params and the host storage of this rank's shard.
+
+Params keep their own device storage; the flat layout (``_flat.py``: buckets, ZeRO pieces)
+exists on the host only: masters, moments, the pinned bf16 buffer that receives the grads and
+then the updated weights, the fp32 accumulator of multi-flush buckets, and per param whether it
+got a grad in this window and how many steps it has taken.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ._device import DeviceOps, Event
+from ._flat import FlatLayout, canonical_offsets
+from ._pinned import HostBuffer
+
+__all__ = ["BucketState", "GroupBuffers"]
+
+
+@dataclass
+class BucketState:
+    staging: Tensor | None = None  # grads being packed since the bucket was last flushed
+    packed: set[int] = field(default_factory=set)  # params packed into the open staging area
+    flushes: int = 0  # contributions sent down in this window
+    event: Event = None  # completion of its last copy down
+
+
+class GroupBuffers:
+    """One param group: its params (each with its own device storage) and the host buffers of this shard."""
+
+    def __init__(
+        self,
+        params: list[Tensor],
+        dev: DeviceOps,
+        bucket_size: int,
+        master_dtype: torch.dtype,
+        state_dtype: torch.dtype,
+        *,
+        world_size: int = 1,
+        rank: int = 0,
+    ) -> None:
+        self.params = params
+        self.layout = layout = FlatLayout([p.shape for p in params], bucket_size, world_size=world_size, rank=rank)
+        n = layout.shard_numel
+        # Filled from the device weights at the first step, so weights loaded into the model
+        # after the optimizer was built are the ones trained.
+        self.master = torch.zeros(n, dtype=master_dtype)
+        self.master_synced = False
+        self.exp_avg = torch.zeros(n, dtype=state_dtype)
+        self.exp_avg_sq = torch.zeros(n, dtype=state_dtype)
+        self.grads: HostBuffer = dev.host_buffer(n, torch.bfloat16)  # grads down, then weights up
+        self.accumulator: Tensor | None = None
+        self.buckets = [BucketState() for _ in layout.buckets]
+        self.got = [False] * len(params)  # which params got a grad in this window
+        self.steps = [0] * len(params)  # Adam steps taken by each param (as torch counts them)
+        self.counter_offsets = canonical_offsets(layout.shapes)  # where each param's random bits start
+        self.param_sq: Tensor | None = None  # on the device: each param's squared grad norm in this window
+        self.sq_plans: dict[int, tuple[Tensor, list[slice]]] = {}  # per bucket: (param indices, slices of its piece)
+        # The step's segments and kernel lists per chunk of buckets; the lists are dropped when a
+        # param's storage changes.
+        self.chunk_plans: dict[tuple[int, int], list[tuple[int, slice, slice, int]]] = {}
+        self.kernel_lists: dict[tuple[int, int], tuple[list[Tensor], ...]] = {}
+        self.storage: list[int] = []
+
+    def weights(self, i: int) -> Tensor:
+        """Param ``i``'s own storage, flat."""
+        return self.params[i].detach().view(-1)
+
+    def piece_segments(self, b: int) -> list[tuple[int, slice, slice]]:
+        """(param, slice of its elements, slice of the host buffers) of this rank's piece of bucket ``b``."""
+        piece = self.layout.pieces[b]
+        return [
+            (i, slice(lo - self.layout.offsets[i], hi - self.layout.offsets[i]), slice(host, host + hi - lo))
+            for i, lo, hi, host in self.layout.segments(piece.flat, piece.flat + piece.numel, piece.host)
+        ]
+
+    def sq_plan(self, b: int) -> tuple[Tensor, list[slice]]:
+        """The params of this rank's piece of bucket ``b`` (an index tensor on the device) and their slices of it."""
+        if b not in self.sq_plans:
+            piece = self.layout.pieces[b]
+            segments = self.piece_segments(b)
+            index = torch.tensor([i for i, _, _ in segments], dtype=torch.int64).to(self.param_device)
+            self.sq_plans[b] = index, [slice(h.start - piece.host, h.stop - piece.host) for _, _, h in segments]
+        return self.sq_plans[b]
+
+    @property
+    def param_device(self) -> torch.device:
+        return self.params[0].device
+
+    def host_slice(self, b: int) -> tuple[slice, slice] | None:
+        """(slice of the bucket's staging area, slice of the host buffers) of this rank's piece."""
+        piece = self.layout.pieces[b]
+        if piece.numel == 0:
+            return None
+        start = piece.flat - self.layout.buckets[b].start
+        return slice(start, start + piece.numel), slice(piece.host, piece.host + piece.numel)
