@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from . import _build
-from ._threads import warn_if_single_threaded
+from ._threads import judge_threads_once
 
 __all__ = [
     "active_isa",
@@ -121,8 +121,8 @@ def adam_step(
     _check_all(params, grads, exp_avgs, exp_avg_sqs, outs)
     if not (params or grads or exp_avgs or exp_avg_sqs or outs):
         return  # nothing to step (the dispatcher needs a tensor to route the op)
-    if not torch.compiler.is_compiling():  # a system call per step would break a compiled graph
-        warn_if_single_threaded()
+    if not torch.compiler.is_compiling():  # a system call would break a compiled graph
+        judge_threads_once()
     bias_correction1 = 1.0 - beta1**step if bias_correction else 1.0
     bias_correction2 = 1.0 - beta2**step if bias_correction else 1.0
     if not stochastic_rounding:
