@@ -41,7 +41,14 @@ from ._flat import check_shard, full_to_shard
 from ._grads import GradCollector, GroupBuffers
 from ._offloaded_grad import OffloadedGrad
 from ._threads import check_threads
-from .ops import adam_step, check_hyper_parameters, group_counter_base
+from .ops import (
+    adam_step,
+    check_hyper_parameters,
+    check_param_group,
+    check_step_count,
+    checked_seed,
+    group_counter_base,
+)
 
 __all__ = ["OffloadOptimizer"]
 
@@ -52,6 +59,7 @@ logger = logging.getLogger(__name__)
 KERNEL_CHUNK = 2**25
 DEFAULT_BUCKET_SIZE = 2**23  # elements: 16 MiB of bf16 grads per copy, far past PCIe's small-copy overheads
 STATE_DICT_FORMAT = "cpu_adam.OffloadOptimizer/1"
+OWNER = "cpu_adam.OffloadOptimizer"
 
 
 def _check_no_shared_memory(params: list[Tensor]) -> None:
@@ -135,7 +143,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
-        lr: float = 1e-3,
+        lr: float | Tensor = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
@@ -150,7 +158,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         stochastic_rounding: bool = False,
         seed: int | None = None,
     ) -> None:
-        check_hyper_parameters("cpu_adam.OffloadOptimizer", float(lr), betas, eps, weight_decay)
+        check_hyper_parameters(OWNER, lr, betas, eps, weight_decay)
+        seed = None if seed is None else checked_seed(OWNER, seed)
         if master_weights_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(
                 f"master_weights_dtype must be torch.float32 or torch.bfloat16, got {master_weights_dtype}"
@@ -228,6 +237,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 "cpu_adam.OffloadOptimizer lays params out in flat buffers when it is built: "
                 "pass every param group to the constructor"
             )
+        check_param_group(f"{OWNER} param group {len(self.param_groups)}", {**self.defaults, **param_group})
         super().add_param_group(param_group)
 
     @staticmethod
@@ -284,6 +294,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        for g, options in enumerate(self.param_groups):  # edited groups, refused before anything changes
+            check_param_group(f"{OWNER} param group {g}", options)
         if self._comm is not None:
             self._comm.check_alive()  # also after a backward that failed on it
         self._grads.check_finished()
@@ -614,7 +626,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
         Takes a full state dict (one process's, or consolidated from a ZeRO run) on any number
         of ranks, each rank keeping its slice; or, with a process group, this rank's own shard.
-        With a process group every rank must call it (the weights are all-gathered).
+        With a process group every rank must call it (the weights are all-gathered). Everything is
+        checked before anything changes.
         """
         if state_dict.get("format") != STATE_DICT_FORMAT:
             raise ValueError(
@@ -633,6 +646,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             ):
                 raise ValueError(f"param group {g} of the state dict holds other parameters than this optimizer's")
         max_grad_norm = _checked_max_grad_norm(state_dict["max_grad_norm"])
+        _check_loadable(state_dict)
         zero = state_dict.get("zero")
         if zero is not None:
             check_shard(zero, self.rank, self.world_size, self.bucket_size)
@@ -674,6 +688,17 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 self.close()
         except Exception:
             pass
+
+
+def _check_loadable(state_dict: dict[str, Any]) -> None:
+    where = f"{OWNER}.load_state_dict"
+    for g, options in enumerate(state_dict["param_groups"]):
+        check_param_group(f"{where}: param group {g}", options)
+    for g, saved in state_dict["state"].items():
+        for count in [saved["step"], *saved.get("param_steps", [])]:
+            check_step_count(f"{where}: param group {g}", count)
+    checked_seed(where, state_dict["seed"])
+    check_step_count(f"{where}: skipped_steps", state_dict["skipped_steps"])
 
 
 def _check_unclaimed(groups: list[list[Tensor]]) -> None:

@@ -14,6 +14,7 @@ from . import ops
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 _OWN_KEYS = ("bias_correction", "fp32_optimizer_states", "stochastic_rounding", "seed", "decoupled_weight_decay")
+_UNSUPPORTED_FLAGS = ("amsgrad", "capturable", "differentiable")
 
 
 def _local(t: Tensor) -> Tensor:
@@ -49,7 +50,7 @@ class CPUAdam(torch.optim.Optimizer):
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
-        lr: float = 1e-3,
+        lr: float | Tensor = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float | None = None,
@@ -66,6 +67,11 @@ class CPUAdam(torch.optim.Optimizer):
         capturable: bool = False,
         differentiable: bool = False,
     ) -> None:
+        # torch's checks and messages, for what it refuses whatever the device
+        if fused and differentiable:
+            raise RuntimeError("`fused` does not support `differentiable` (nor does CPUAdam: use torch.optim.AdamW)")
+        if fused and foreach:
+            raise RuntimeError("`fused` and `foreach` cannot be `True` together. (CPUAdam: pass at most one of them)")
         if amsgrad:
             raise ValueError(
                 "CPUAdam does not implement amsgrad; use torch.optim.AdamW(amsgrad=True) for it, or drop amsgrad=True"
@@ -78,7 +84,7 @@ class CPUAdam(torch.optim.Optimizer):
         del foreach, fused  # every step is one fused pass: both implementations of torch give these numbers
         if weight_decay is None:  # as the optimizer it stands in for: torch.optim.AdamW or torch.optim.Adam
             weight_decay = 1e-2 if adamw_mode else 0.0
-        ops.check_hyper_parameters("CPUAdam", float(lr), betas, eps, weight_decay)
+        ops.check_hyper_parameters("CPUAdam", lr, betas, eps, weight_decay)
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,)).item())
         defaults = {
@@ -92,7 +98,7 @@ class CPUAdam(torch.optim.Optimizer):
             "maximize": maximize,
             "fp32_optimizer_states": fp32_optimizer_states,
             "stochastic_rounding": stochastic_rounding,
-            "seed": seed,
+            "seed": ops.checked_seed("CPUAdam", seed),
         }
         super().__init__(params, defaults)
 
@@ -105,21 +111,24 @@ class CPUAdam(torch.optim.Optimizer):
                 if key in self.defaults:
                     group.setdefault(key, self.defaults[key])
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if isinstance(param_group, dict):  # torch's add_param_group refuses anything else
+            _check_group(f"CPUAdam param group {len(self.param_groups)}", {**self.defaults, **param_group})
+        super().add_param_group(param_group)
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        for index, group in enumerate(self.param_groups):  # all before any is stepped: a refused step changes nothing
+            _check_group(f"CPUAdam param group {index}", group)
         for index, group in enumerate(self.param_groups):
             self._step_group(index, group)
         return loss
 
     def _step_group(self, index: int, group: dict[str, Any]) -> None:
-        if group.get("amsgrad") or group.get("capturable") or group.get("differentiable"):
-            raise ValueError(
-                "CPUAdam supports none of amsgrad, capturable and differentiable; set them False in the param group"
-            )
         # Params whose step counts differ (added later, or without grads on some
         # steps) need their own bias corrections: one kernel call per count.
         by_step: dict[int, list[Tensor]] = defaultdict(list)
@@ -169,11 +178,12 @@ class CPUAdam(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads this optimizer's or torch Adam/AdamW's state dict.
 
-        Hyper-parameters come from the state dict, as in torch; the moments keep
-        the dtype this optimizer was built with (``fp32_optimizer_states``),
-        converted directly from what was saved. (torch's own load would cast them
-        to the param dtype first, losing float32 moments of bfloat16 params.)
+        Hyper-parameters come from the state dict, as in torch, and are checked before anything
+        changes; the moments keep the dtype this optimizer was built with
+        (``fp32_optimizer_states``), converted directly from what was saved. (torch's own load
+        would cast them to the param dtype first, losing float32 moments of bfloat16 params.)
         """
+        _check_loadable(state_dict, self.defaults)
         keep_fp32_states = [g["fp32_optimizer_states"] for g in self.param_groups]
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
@@ -200,6 +210,25 @@ class CPUAdam(torch.optim.Optimizer):
             dtype = _state_dtype(group_of[id(p)])
             for key, value in moments.get(saved_id, {}).items():
                 self.state[p][key] = value.to(device=p.device, dtype=dtype, copy=True)
+
+
+def _check_group(owner: str, group: dict[str, Any]) -> None:
+    ops.check_param_group(owner, group)
+    ops.checked_seed(owner, group["seed"])
+    unsupported = [flag for flag in _UNSUPPORTED_FLAGS if group.get(flag)]
+    if unsupported:
+        raise ValueError(
+            f"{owner}: CPUAdam supports none of {', '.join(_UNSUPPORTED_FLAGS)}; "
+            f"set {' and '.join(unsupported)} False in the param group"
+        )
+
+
+def _check_loadable(state_dict: dict[str, Any], defaults: dict[str, Any]) -> None:
+    for index, saved in enumerate(state_dict["param_groups"]):
+        _check_group(f"CPUAdam.load_state_dict: param group {index}", {**defaults, **saved})
+    for key, saved in state_dict["state"].items():
+        if isinstance(saved, dict) and "step" in saved:
+            ops.check_step_count(f"CPUAdam.load_state_dict: the state of param {key}", saved["step"])
 
 
 def _state_dtype(group: dict[str, Any]) -> torch.dtype:

@@ -55,3 +55,8 @@ def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.where(i < 0, -(i + sign_bit), i)
 
     return (ordered(a) - ordered(b)).abs()
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of a tensor: equal means bitwise equal (NaNs and signed zeros included)."""
+    return t.detach().reshape(-1).view(torch.uint8).clone()

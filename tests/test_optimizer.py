@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import copy
+import re
+from typing import Any
 
 import pytest
 import torch
-from conftest import ulp_distance
+from conftest import raw, ulp_distance
 
 from cpu_adam import CPUAdam
 
@@ -266,21 +268,6 @@ def test_dtensor_params_step_their_local_shards(tmp_path) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "match"),
-    [
-        ({"amsgrad": True}, "amsgrad"),
-        ({"lr": -1.0}, "lr"),
-        ({"betas": (0.9, 1.0)}, "betas"),
-        ({"eps": -1e-8}, "eps"),
-        ({"weight_decay": -0.1}, "weight_decay"),
-    ],
-)
-def test_bad_hyper_parameters_raise(kwargs: dict, match: str) -> None:
-    with pytest.raises(ValueError, match=match):
-        CPUAdam(make_params(), **kwargs)
-
-
 def test_sparse_grad_raises_clear_error() -> None:
     embedding = torch.nn.Embedding(10, 4, sparse=True)
     embedding(torch.tensor([1, 2])).sum().backward()
@@ -322,8 +309,8 @@ def test_maximize_climbs_as_torch_does() -> None:
         assert_close_in_ulps_of(p, q, 4 * HYPER["lr"], "param")
 
 
-@pytest.mark.parametrize("option", ["capturable", "differentiable"])
-def test_capturable_and_differentiable_are_refused(option: str) -> None:
+@pytest.mark.parametrize("option", ["amsgrad", "capturable", "differentiable"])
+def test_amsgrad_capturable_and_differentiable_are_refused(option: str) -> None:
     with pytest.raises(ValueError, match=option):
         CPUAdam(make_params(), **{option: True})
 
@@ -343,6 +330,215 @@ def test_a_state_dict_with_a_number_step_loads_and_steps() -> None:
     assert all(float(s["step"]) == 4 for s in loaded.state.values())
     for p, q in zip(params, twins):
         assert_close_in_ulps_of(p, q, 4 * HYPER["lr"], "param")
+
+
+def with_grads(params, step: int) -> None:
+    for p, g in zip(params, grads_for(params, step)):
+        p.grad = g
+
+
+def snapshot(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """What a step or a load could change: params and state bitwise, hyper-parameters as printed."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    return {
+        "params": [raw(p) for p in params],
+        "state": [
+            {k: raw(v) if torch.is_tensor(v) else v for k, v in optimizer.state[p].items()}
+            for p in params
+            if p in optimizer.state
+        ],
+        "groups": repr([{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]),
+    }
+
+
+def assert_same_snapshot(before: dict[str, Any], after: dict[str, Any]) -> None:
+    assert before["groups"] == after["groups"]
+    assert len(before["params"]) == len(after["params"])
+    assert all(torch.equal(a, b) for a, b in zip(before["params"], after["params"])), "a param changed"
+    assert [sorted(s) for s in before["state"]] == [sorted(s) for s in after["state"]]
+    for a, b in zip(before["state"], after["state"]):
+        assert all(torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k] for k in a), "state changed"
+
+
+# ---- hyper-parameters: torch's exceptions, and checked wherever they come from ----
+
+NAN, INF = float("nan"), float("inf")
+
+ADAMW_REFUSES = [
+    {"lr": -1},
+    {"lr": -1.0},
+    {"lr": NAN},
+    {"lr": torch.tensor(-1.0)},
+    {"lr": torch.tensor([1e-3, 1e-3])},
+    {"eps": -1e-8},
+    {"eps": NAN},
+    {"betas": (1.0, 0.0)},
+    {"betas": (0.9, 1.5)},
+    {"betas": (NAN, 0.9)},
+    {"weight_decay": -1},
+    {"weight_decay": NAN},
+    {"foreach": True, "fused": True},
+    {"fused": True, "differentiable": True},
+]
+
+
+@pytest.mark.parametrize("kwargs", ADAMW_REFUSES, ids=repr)
+def test_what_adamw_refuses_raises_adamws_exception_and_message(kwargs: dict) -> None:
+    with pytest.raises(Exception) as theirs:
+        torch.optim.AdamW(make_params(), **kwargs)
+    with pytest.raises(Exception) as ours:
+        CPUAdam(make_params(), **kwargs)
+    assert type(ours.value) is type(theirs.value)
+    assert str(ours.value).startswith(str(theirs.value)), "torch's message, then ours"
+    assert "CPUAdam" in str(ours.value)
+
+
+# (kwargs, what torch.optim.AdamW raises constructing or stepping, or None; what CPUAdam raises, and its match)
+BEYOND_ADAMW = [
+    ({"lr": INF}, None, ValueError, r"Invalid learning rate: inf \(CPUAdam: lr must be a finite"),
+    ({"eps": INF}, None, ValueError, r"Invalid epsilon value: inf \(CPUAdam: eps must be a finite"),
+    ({"weight_decay": INF}, None, ValueError, r"Invalid weight_decay value: inf \(CPUAdam"),
+    ({"lr": "x"}, TypeError, TypeError, "CPUAdam: lr must be a number, got 'x'"),
+    ({"lr": True}, None, TypeError, "CPUAdam: lr must be a number, got True"),
+    ({"betas": None}, TypeError, TypeError, r"CPUAdam: betas must be a pair of numbers \(beta1, beta2\), got None"),
+    ({"betas": ("a", 0.9)}, TypeError, TypeError, "betas must be a pair of numbers"),
+    # IndexError and a failed unpacking at the first step are accidents of torch's code.
+    ({"betas": (0.9,)}, IndexError, ValueError, r"betas must be a pair of numbers .*got \(0\.9,\)"),
+    ({"betas": (0.9, 0.99, 0.5)}, ValueError, ValueError, "betas must be a pair of numbers"),
+    # Tensor betas serve torch's capturable steps; the kernel takes numbers.
+    ({"betas": (torch.tensor(0.9), torch.tensor(0.99))}, None, TypeError, "tensor betas are not supported"),
+    ({"betas": (0.9, torch.tensor(0.99))}, ValueError, TypeError, "tensor betas are not supported"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "torch_raises", "error", "match"), BEYOND_ADAMW, ids=lambda v: repr(v)[:40])
+def test_what_adamw_does_not_check_is_refused_clearly(kwargs, torch_raises, error, match) -> None:
+    def adamw_outcome() -> type | None:
+        try:
+            params = make_params()
+            with_grads(params, 0)
+            torch.optim.AdamW(params, **kwargs).step()
+        except Exception as e:
+            return type(e)
+        return None
+
+    assert adamw_outcome() is torch_raises
+    with pytest.raises(error, match=match):
+        CPUAdam(make_params(), **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("seed", "error", "match"),
+    [
+        ("x", TypeError, "CPUAdam: seed must be an integer, got 'x'"),
+        (1.5, TypeError, "CPUAdam: seed must be an integer, got 1.5"),
+        (2**64, ValueError, "CPUAdam: seed must fit in 64 bits"),
+    ],
+)
+def test_the_seed_must_be_a_64_bit_integer(seed: Any, error: type, match: str) -> None:
+    with pytest.raises(error, match=re.escape(match)):
+        CPUAdam(make_params(), seed=seed)
+
+
+@pytest.fixture
+def two_groups() -> tuple[list[torch.nn.Parameter], CPUAdam]:
+    """An optimizer over two param groups that has stepped twice."""
+    params = make_params()
+    optimizer = CPUAdam([{"params": params[:2]}, {"params": params[2:], "lr": 3e-2}], **HYPER)
+    for step in range(2):
+        with_grads(params, step)
+        optimizer.step()
+    with_grads(params, 2)
+    return params, optimizer
+
+
+BAD_VALUES = [
+    ("lr", -1.0, ValueError, "Invalid learning rate: -1.0"),
+    ("lr", NAN, ValueError, "Invalid learning rate: nan"),
+    ("lr", INF, ValueError, "Invalid learning rate: inf"),
+    ("lr", torch.tensor(-1.0), ValueError, "Invalid learning rate: -1.0"),
+    ("betas", (0.9, 1.5), ValueError, "Invalid beta parameter at index 1: 1.5"),
+    ("betas", None, TypeError, "betas must be a pair of numbers"),
+    ("eps", INF, ValueError, "Invalid epsilon value: inf"),
+    ("weight_decay", -0.1, ValueError, "Invalid weight_decay value: -0.1"),
+    ("seed", "x", TypeError, "seed must be an integer"),
+    ("amsgrad", True, ValueError, "set amsgrad False"),
+    ("capturable", True, ValueError, "set capturable False"),
+]
+
+
+@pytest.mark.parametrize(("key", "value", "error", "match"), BAD_VALUES, ids=lambda v: repr(v)[:24])
+@pytest.mark.parametrize("source", ["param group edit", "add_param_group", "load_state_dict"])
+def test_bad_values_are_refused_wherever_they_come_from_before_anything_changes(
+    two_groups, source: str, key: str, value: Any, error: type, match: str
+) -> None:
+    params, optimizer = two_groups
+    if source == "param group edit":
+        optimizer.param_groups[1][key] = value  # as a scheduler would; group 0 must not step either
+        before = snapshot(optimizer)
+        with pytest.raises(error, match=re.escape(match)):
+            optimizer.step()
+    elif source == "add_param_group":
+        before = snapshot(optimizer)
+        with pytest.raises(error, match=re.escape(match)):
+            optimizer.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))], key: value})
+    else:
+        saved = copy.deepcopy(optimizer.state_dict())
+        saved["param_groups"][1][key] = value
+        for state in saved["state"].values():  # would be loaded, if the load went ahead
+            state["exp_avg"].fill_(7.0)
+        before = snapshot(optimizer)
+        with pytest.raises(error, match=re.escape(match)):
+            optimizer.load_state_dict(saved)
+    assert_same_snapshot(before, snapshot(optimizer))
+    assert all(p.grad is not None for p in params)
+
+
+def test_beta2_above_one_after_many_steps_is_refused_not_an_overflow(two_groups) -> None:
+    # Python's 1.5 ** 5001 raises OverflowError; the range check refuses it first.
+    _, optimizer = two_groups
+    for state in optimizer.state.values():
+        state["step"].fill_(5000.0)
+    optimizer.param_groups[0]["betas"] = (0.9, 1.5)
+    with pytest.raises(ValueError, match=r"Invalid beta parameter at index 1: 1\.5"):
+        optimizer.step()
+    saved = copy.deepcopy(optimizer.state_dict())
+    optimizer.param_groups[0]["betas"] = (0.9, 0.999)
+    with pytest.raises(ValueError, match=r"Invalid beta parameter at index 1: 1\.5"):
+        optimizer.load_state_dict(saved)
+
+
+@pytest.mark.parametrize("step", [NAN, -1.0, 2.5, INF, torch.tensor(NAN), torch.tensor([1.0, 2.0]), "3"], ids=repr)
+def test_damaged_step_counts_are_refused_at_load(two_groups, step: Any) -> None:
+    _, optimizer = two_groups
+    saved = copy.deepcopy(optimizer.state_dict())
+    saved["state"][1]["step"] = step
+    before = snapshot(optimizer)
+    with pytest.raises(ValueError, match=r"CPUAdam\.load_state_dict: the state of param 1: a step count must be"):
+        optimizer.load_state_dict(saved)
+    assert_same_snapshot(before, snapshot(optimizer))
+
+
+def test_a_tensor_lr_steps_as_the_float_lr_under_a_scheduler() -> None:
+    # As torch accepts it (any 1-element tensor); schedulers change it in place. In float64 it
+    # holds the float's value exactly.
+    runs = []
+    for lr in (
+        HYPER["lr"],
+        torch.tensor(HYPER["lr"], dtype=torch.float64),
+        torch.tensor([HYPER["lr"]], dtype=torch.float64),
+    ):
+        params = make_params()
+        optimizer = CPUAdam(params, **{**HYPER, "lr": lr})
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        for step in range(5):
+            with_grads(params, step)
+            optimizer.step()
+            scheduler.step()
+        assert float(optimizer.param_groups[0]["lr"]) == HYPER["lr"] / 4
+        runs.append(params)
+    for other in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], other))
 
 
 def test_state_dict_is_unchanged_by_load_deepcopy_and_pickle() -> None:
