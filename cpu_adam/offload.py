@@ -590,6 +590,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         Tensors are references to the live buffers (as with torch's optimizers): save or copy
         the dict before the next step.
         """
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
         self._sync_masters()
         state = {}
         for g, group in enumerate(self._groups):
@@ -619,6 +621,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         }
         if self._comm is not None:
             state_dict["zero"] = {"rank": self.rank, "world_size": self.world_size, "bucket_size": self.bucket_size}
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            returned = post_hook(self, state_dict)
+            if returned is not None:
+                state_dict = returned
         return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -627,8 +633,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
         Takes a full state dict (one process's, or consolidated from a ZeRO run) on any number
         of ranks, each rank keeping its slice; or, with a process group, this rank's own shard.
         With a process group every rank must call it (the weights are all-gathered). Everything is
-        checked before anything changes.
+        checked before anything changes. Load hooks run as with torch's optimizers.
         """
+        state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            returned = pre_hook(self, state_dict)
+            if returned is not None:
+                state_dict = returned
         if state_dict.get("format") != STATE_DICT_FORMAT:
             raise ValueError(
                 f"cpu_adam.OffloadOptimizer.load_state_dict: not a {STATE_DICT_FORMAT} state dict "
@@ -680,6 +691,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.skipped_steps = int(state_dict["skipped_steps"])
         self.max_grad_norm = max_grad_norm
         self._grads.reset()
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     def __del__(self) -> None:
         # Only the optimizer itself: Lightning's wrapper copies this __dict__ and must not close it.

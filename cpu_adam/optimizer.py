@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import sys
-from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections import OrderedDict, defaultdict
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -182,27 +183,36 @@ class CPUAdam(torch.optim.Optimizer):
         changes; the moments keep the dtype this optimizer was built with
         (``fp32_optimizer_states``), converted directly from what was saved. (torch's own load
         would cast them to the param dtype first, losing float32 moments of bfloat16 params.)
+        Load hooks see the whole state dict, as with torch's optimizers.
         """
+        state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            returned = pre_hook(self, state_dict)
+            if returned is not None:
+                state_dict = returned
         _check_loadable(state_dict, self.defaults)
         keep_fp32_states = [g["fp32_optimizer_states"] for g in self.param_groups]
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
-        moments = {
-            i: {k: v for k, v in s.items() if k in MOMENTS} for i, s in state_dict["state"].items() if i in saved_ids
-        }
+        per_param = {i: s for i, s in state_dict["state"].items() if isinstance(s, dict)}
+        moments = {i: {k: v for k, v in s.items() if k in MOMENTS} for i, s in per_param.items() if i in saved_ids}
         # Steps are cloned: torch's load keeps the saved step tensors, which a live
         # optimizer that produced them would go on incrementing in place.
         without_moments = {
             "state": {
                 i: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items() if k not in MOMENTS}
+                if i in per_param
+                else s
                 for i, s in state_dict["state"].items()
             },
             "param_groups": state_dict["param_groups"],
         }
-        for saved in without_moments["state"].values():
+        for i in per_param:
+            saved = without_moments["state"][i]
             if "step" in saved and not torch.is_tensor(saved["step"]):  # torch < 1.12 and DeepSpeed save a number
                 saved["step"] = torch.tensor(float(saved["step"]), dtype=torch.float32)
-        super().load_state_dict(without_moments)
+        with _load_hooks_paused(self):  # they ran above, on the state dict with its moments
+            super().load_state_dict(without_moments)
         for group, fp32 in zip(self.param_groups, keep_fp32_states):
             group["fp32_optimizer_states"] = fp32
         group_of = {id(p): g for g in self.param_groups for p in g["params"]}
@@ -210,6 +220,8 @@ class CPUAdam(torch.optim.Optimizer):
             dtype = _state_dtype(group_of[id(p)])
             for key, value in moments.get(saved_id, {}).items():
                 self.state[p][key] = value.to(device=p.device, dtype=dtype, copy=True)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
 
 def _check_group(owner: str, group: dict[str, Any]) -> None:
@@ -229,6 +241,17 @@ def _check_loadable(state_dict: dict[str, Any], defaults: dict[str, Any]) -> Non
     for key, saved in state_dict["state"].items():
         if isinstance(saved, dict) and "step" in saved:
             ops.check_step_count(f"CPUAdam.load_state_dict: the state of param {key}", saved["step"])
+
+
+@contextmanager
+def _load_hooks_paused(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    hooks = optimizer._optimizer_load_state_dict_pre_hooks, optimizer._optimizer_load_state_dict_post_hooks
+    optimizer._optimizer_load_state_dict_pre_hooks = OrderedDict()
+    optimizer._optimizer_load_state_dict_post_hooks = OrderedDict()
+    try:
+        yield
+    finally:
+        optimizer._optimizer_load_state_dict_pre_hooks, optimizer._optimizer_load_state_dict_post_hooks = hooks
 
 
 def _state_dtype(group: dict[str, Any]) -> torch.dtype:

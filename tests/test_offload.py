@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import raw
+from conftest import printed_groups, raw
 from offload_helpers import (
     MASTER_ATOL,
     AdamWOracle,
@@ -467,6 +467,46 @@ def test_a_tensor_lr_steps_as_the_float_lr():
             opt.step()
         runs.append(list(model.parameters()))
     assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_hooks_run_as_with_torchs_optimizers():
+    model, _, _, opt, _ = build()
+    calls: list[Any] = []
+    opt.register_step_pre_hook(lambda *_: calls.append("step pre"))
+    opt.register_step_post_hook(lambda *_: calls.append("step post"))
+    opt.register_state_dict_pre_hook(lambda o: calls.append("state_dict pre"))
+    opt.register_state_dict_post_hook(lambda o, state_dict: {**state_dict, "note": "from a post hook"})
+
+    def load_pre_hook(o, state_dict):
+        calls.append("load pre")
+        state_dict["param_groups"] = [{**state_dict["param_groups"][0], "lr": 2e-3}]
+
+    opt.register_load_state_dict_pre_hook(load_pre_hook)
+    opt.register_load_state_dict_post_hook(lambda o: calls.append(("load post", o.param_groups[0]["lr"])))
+    lm_loss(model, batches(1)[0]).backward()
+    opt.step()
+    saved = opt.state_dict()
+    assert saved["note"] == "from a post hook"
+    opt.load_state_dict(saved)
+    assert calls == ["step pre", "step post", "state_dict pre", "load pre", ("load post", 2e-3)]
+    assert saved["param_groups"][0]["lr"] == HYPER["lr"]
+
+
+def test_repr_lists_param_groups_as_torch_does():
+    def groups(model):
+        return [
+            {"params": [model.fc1.weight]},
+            {"params": [model.fc2.weight], "weight_decay": 0.5, "betas": (0.8, 0.9)},
+        ]
+
+    ours = OffloadOptimizer(groups(make_model()), **HYPER)
+    theirs = torch.optim.AdamW(groups(make_model()), **HYPER)
+    assert len(printed_groups(ours)) == 2
+    for mine, torchs, group in zip(printed_groups(ours), printed_groups(theirs), ours.param_groups):
+        assert list(mine) == sorted(mine) and mine.keys() == group.keys() - {"params"}
+        assert {k: mine[k] for k in ("lr", "betas", "eps", "weight_decay")} == {
+            k: torchs[k] for k in ("lr", "betas", "eps", "weight_decay")
+        }
 
 
 def test_the_copy_path_used_on_gpus(monkeypatch: pytest.MonkeyPatch):

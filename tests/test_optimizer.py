@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import raw, ulp_distance
+from conftest import printed_groups, raw, ulp_distance
 
 from cpu_adam import CPUAdam
 
@@ -122,7 +122,10 @@ def test_groups_scheduler_closure_and_hyper_parameter_changes() -> None:
     twins = clone_params(params)
 
     def groups(ps):
-        return [{"params": ps[:2]}, {"params": ps[2:3], "weight_decay": 0.0, "lr": 3e-2}]
+        return [
+            {"params": ps[:2]},
+            {"params": ps[2:3], "weight_decay": 0.0, "lr": 3e-2, "eps": 1e-6, "maximize": True},
+        ]
 
     ours = CPUAdam(groups(params), **HYPER)
     reference = torch.optim.AdamW(groups(twins), **HYPER, foreach=False)
@@ -297,16 +300,6 @@ def test_default_weight_decay_is_the_replaced_optimizers(adamw_mode: bool) -> No
     _twin_steps(ours, reference, ours_params, torch_params, range(3))
     for p, q in zip(ours_params, torch_params):
         assert_close_in_ulps_of(p, q, 3 * 1e-3, "param")
-
-
-def test_maximize_climbs_as_torch_does() -> None:
-    ours_params = make_params()
-    torch_params = clone_params(ours_params)
-    ours = CPUAdam(ours_params, **HYPER, maximize=True, foreach=False, fused=True)
-    reference = torch.optim.AdamW(torch_params, **HYPER, maximize=True, foreach=False)
-    _twin_steps(ours, reference, ours_params, torch_params, range(4))
-    for p, q in zip(ours_params, torch_params):
-        assert_close_in_ulps_of(p, q, 4 * HYPER["lr"], "param")
 
 
 @pytest.mark.parametrize("option", ["amsgrad", "capturable", "differentiable"])
@@ -541,16 +534,224 @@ def test_a_tensor_lr_steps_as_the_float_lr_under_a_scheduler() -> None:
         assert all(torch.equal(a, b) for a, b in zip(runs[0], other))
 
 
-def test_state_dict_is_unchanged_by_load_deepcopy_and_pickle() -> None:
+# ---- torch.optim conventions, over torch's AdamW configs ----
+
+
+def adamw_configs() -> dict[str, dict[str, Any]]:
+    """torch's AdamW configs for the CPU (torch.testing._internal.common_optimizers), with the
+    implementation flags its tests add; amsgrad and differentiable are refused (tested above).
+    Made anew for each test: a tensor lr is changed in place by schedulers."""
+    return {
+        "default": {},
+        "non-default lr": {"lr": 0.01},
+        "nonzero weight_decay": {"weight_decay": 0.1},
+        "maximize": {"weight_decay": 0.1, "maximize": True},
+        "tensor lr": {"lr": torch.tensor(0.001)},
+        "foreach": {"foreach": True},
+        "fused": {"fused": True},
+    }
+
+
+CONFIGS = list(adamw_configs())
+
+
+def assert_same_state_dicts(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert repr(a["param_groups"]) == repr(b["param_groups"])
+    assert a["state"].keys() == b["state"].keys()
+    for i, state in a["state"].items():
+        assert state.keys() == b["state"][i].keys()
+        for key, value in state.items():
+            assert torch.equal(raw(value), raw(b["state"][i][key])), f"state[{i}][{key!r}] differs"
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_configs_step_as_adamw(config: str) -> None:
+    ours_params = make_params()
+    torch_params = clone_params(ours_params)
+    ours = CPUAdam(ours_params, **adamw_configs()[config])
+    reference = torch.optim.AdamW(torch_params, **adamw_configs()[config])
+    _twin_steps(ours, reference, ours_params, torch_params, range(5))
+    scale = 5 * float(ours.param_groups[0]["lr"])
+    for p, q in zip(ours_params, torch_params):
+        assert_close_in_ulps_of(p, q, scale, "param")
+        assert_close_in_ulps_of(ours.state[p]["exp_avg"], reference.state[q]["exp_avg"], GRAD_SCALE, "exp_avg")
+        assert_ulps(ours.state[p]["exp_avg_sq"], reference.state[q]["exp_avg_sq"], 8, "exp_avg_sq")
+        assert ours.state[p]["step"].item() == reference.state[q]["step"].item() == 5
+
+
+def test_step_hooks_run_in_torchs_order_and_can_be_removed() -> None:
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    calls: list[str] = []
+    params = make_params()
+    ours, other = CPUAdam(params), torch.optim.SGD(clone_params(params))
+    handles = [
+        register_optimizer_step_pre_hook(lambda *_: calls.append("global pre")),
+        register_optimizer_step_post_hook(lambda *_: calls.append("global post")),
+    ]
+    for optimizer in (ours, other):
+        handles.append(optimizer.register_step_pre_hook(lambda *_: calls.append("pre")))
+        handles.append(optimizer.register_step_post_hook(lambda *_: calls.append("post")))
+    try:
+        with_grads(params, 0)
+        ours.step()
+        assert calls == ["global pre", "pre", "post", "global post"]
+        other.step()
+        assert calls == 2 * ["global pre", "pre", "post", "global post"]
+    finally:
+        for handle in handles:
+            handle.remove()
+    ours.step()
+    assert len(calls) == 8
+    # A pre hook may replace the arguments: here it hands step() a closure.
+    ours.register_step_pre_hook(lambda optimizer, args, kwargs: (args, {"closure": lambda: 2.5}))
+    assert ours.step() == 2.5
+
+
+def test_state_dict_hooks() -> None:
+    params = make_params()
+    optimizer = CPUAdam(params)
+    optimizer.register_state_dict_pre_hook(lambda o: o.state.__setitem__("marker", 1))
+
+    def post_hook(o, state_dict):
+        state_dict["ran_pre_hook"] = state_dict["state"].pop("marker", None) == 1
+        return state_dict
+
+    optimizer.register_state_dict_post_hook(post_hook)
+    state_dict = optimizer.state_dict()
+    assert state_dict["ran_pre_hook"] and "marker" not in state_dict["state"]
+    # A state entry that is no param's (torch's load hooks in its tests add some) loads too.
+    with_grads(params, 0)
+    optimizer.step()
+    state_dict["state"]["marker"] = 2
+    optimizer.load_state_dict(state_dict)
+    assert optimizer.state["marker"] == 2
+
+
+def test_load_state_dict_hooks_see_the_whole_state_dict_and_the_loaded_optimizer() -> None:
+    params = make_params(torch.bfloat16)
+    saver = CPUAdam(params, lr=1e-3)
+    with_grads(params, 0)
+    saver.step()
+    saved = saver.state_dict()
+    loader = CPUAdam(params, fp32_optimizer_states=False)
+    seen: dict[str, Any] = {}
+
+    def set_lr(lr: float):
+        def hook(optimizer, state_dict):
+            seen.setdefault("moments in the pre hook", "exp_avg" in state_dict["state"][0])
+            state_dict["param_groups"][0]["lr"] = lr
+
+        return hook
+
+    def post_hook(optimizer) -> None:
+        seen["moment dtype in the post hook"] = optimizer.state[params[0]]["exp_avg"].dtype
+
+    loader.register_load_state_dict_pre_hook(set_lr(2e-3))
+    loader.register_load_state_dict_post_hook(post_hook)
+    loader.load_state_dict(saved)
+    assert loader.param_groups[0]["lr"] == 2e-3
+    assert seen == {"moments in the pre hook": True, "moment dtype in the post hook": torch.bfloat16}
+    loader.register_load_state_dict_pre_hook(set_lr(3e-3), prepend=True)  # runs first: the other one wins
+    loader.load_state_dict(saved)
+    assert loader.param_groups[0]["lr"] == 2e-3
+    loader.register_load_state_dict_pre_hook(
+        lambda o, sd: {**sd, "param_groups": [{**sd["param_groups"][0], "lr": 4e-3}]}
+    )
+    loader.load_state_dict(saved)  # a returned state dict is the one loaded
+    assert loader.param_groups[0]["lr"] == 4e-3
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_repr_lists_param_groups_as_torch_does(config: str) -> None:
+    def groups(ps):
+        return [{"params": ps[:2]}, {"params": ps[2:], "weight_decay": 0.5, "betas": (0.8, 0.9)}]
+
+    ours = CPUAdam(groups(make_params()), **adamw_configs()[config])
+    theirs = torch.optim.AdamW(groups(make_params()), **adamw_configs()[config])
+    for mine, torchs, group in zip(printed_groups(ours), printed_groups(theirs), ours.param_groups):
+        assert list(mine) == sorted(mine)
+        assert mine.keys() == group.keys() - {"params"}
+        shared = mine.keys() & torchs.keys()
+        assert shared >= {"lr", "betas", "eps", "weight_decay", "maximize", "amsgrad", "decoupled_weight_decay"}
+        assert {k: mine[k] for k in shared} == {k: torchs[k] for k in shared}
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_state_dict_is_deterministic_across_load_deepcopy_and_pickle(config: str) -> None:
     import pickle
 
     params = make_params()
-    ours = CPUAdam(params, **HYPER)
-    for p, g in zip(params, grads_for(params, 0)):
-        p.grad = g
+    original = CPUAdam(params, **adamw_configs()[config], stochastic_rounding=True)
+    for step in range(3):
+        with_grads(params, step)
+        original.step()
+    saved = copy.deepcopy(original.state_dict())
+    loaded_params = clone_params(params)
+    loaded = CPUAdam(loaded_params, **adamw_configs()[config], stochastic_rounding=True)
+    loaded.load_state_dict(saved)
+    assert_same_state_dicts(saved, original.state_dict())  # loading did not change what was loaded
+    copies = [copy.deepcopy(original), pickle.loads(pickle.dumps(original))]
+    public = {k for k in vars(original) if not k.startswith("_")}
+    assert all({k for k in vars(c) if not k.startswith("_")} == public for c in copies)
+    others = [loaded, *copies]
+    for other in others:
+        assert_same_state_dicts(original.state_dict(), other.state_dict())
+    for step in range(3, 6):  # and they go on alike
+        for optimizer in (original, *others):
+            with_grads([p for g in optimizer.param_groups for p in g["params"]], step)
+            optimizer.step()
+    for other in others:
+        assert_same_state_dicts(original.state_dict(), other.state_dict())
+        other_params = [p for g in other.param_groups for p in g["params"]]
+        assert all(torch.equal(a, b) for a, b in zip(params, other_params))
+
+
+def test_named_parameters_are_saved_and_loaded_as_torch_does() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    ours, theirs = CPUAdam(model.named_parameters()), torch.optim.AdamW(model.named_parameters())
+    names = ["0.weight", "0.bias", "1.weight", "1.bias"]
+    assert ours.state_dict()["param_groups"][0]["param_names"] == names
+    assert theirs.state_dict()["param_groups"][0]["param_names"] == names
+    ours.load_state_dict(theirs.state_dict())
+
+
+def test_zero_grad_keeping_zeros_steps_as_adamw_and_setting_none_skips() -> None:
+    ours_params = make_params()
+    torch_params = clone_params(ours_params)
+    ours = CPUAdam(ours_params, **HYPER)
+    reference = torch.optim.AdamW(torch_params, **HYPER, foreach=False)
+    _twin_steps(ours, reference, ours_params, torch_params, range(1))
+    grads = [p.grad for p in ours_params]
+    for optimizer in (ours, reference):
+        optimizer.zero_grad(set_to_none=False)
+    assert all(p.grad is g and not g.any() for p, g in zip(ours_params, grads))
     ours.step()
-    original = ours.state_dict()
-    loaded = CPUAdam(params, **HYPER)
-    loaded.load_state_dict(copy.deepcopy(original))
-    for other in (loaded, copy.deepcopy(ours), pickle.loads(pickle.dumps(ours))):
-        assert other.state_dict()["param_groups"] == original["param_groups"]
+    reference.step()
+    for p, q in zip(ours_params, torch_params):  # decay, and moments that decay: a step all the same
+        assert_close_in_ulps_of(p, q, 2 * HYPER["lr"], "param")
+        assert ours.state[p]["step"].item() == reference.state[q]["step"].item() == 2
+    ours.zero_grad()
+    assert all(p.grad is None for p in ours_params)
+    before = snapshot(ours)
+    ours.step()
+    assert_same_snapshot(before, snapshot(ours))
+
+
+def test_steps_without_grads_or_with_zero_grads_change_nothing() -> None:
+    # torch's test_step_is_noop_when_params_have_no_grad and _for_zero_grads (AdamW: lr 1e-5, no decay).
+    params = [torch.randn(2, 3, requires_grad=False) for _ in range(2)]
+    before = [p.clone() for p in params]
+    optimizer = CPUAdam(params)
+    assert optimizer.step(lambda: 1.0) == 1.0
+    assert not optimizer.state and all(torch.equal(a, b) for a, b in zip(params, before))
+
+    param = torch.nn.Parameter(torch.randn(5, 1))
+    empty, scalar = torch.nn.Parameter(torch.empty(0)), torch.nn.Parameter(torch.randn(()))
+    before = raw(param)
+    optimizer = CPUAdam([param, empty, scalar], lr=1e-5, weight_decay=0.0)
+    for p in (param, empty, scalar):
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    assert torch.equal(raw(param), before)
+    assert [s["step"].item() for s in optimizer.state.values()] == [1.0, 1.0, 1.0]
