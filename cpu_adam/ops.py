@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -21,6 +22,7 @@ from ._threads import judge_threads_once
 __all__ = [
     "active_isa",
     "adam_step",
+    "adam_step_groups",
     "bandwidth_probe",
     "compiled_isas",
     "force_isa",
@@ -211,6 +213,140 @@ def force_isa(name: str) -> Iterator[None]:
         yield
     finally:
         _ops().set_isa(previous)
+
+
+class GroupStep(NamedTuple):
+    """One param group's part of an optimizer step: the tensors of its params that have grads, their
+    step counts (0-dim tensors, torch's ``state["step"]``), and the group's hyper-parameters as
+    ``adam_step`` takes them (``counter_offsets``: one per tensor, or none without stochastic rounding).
+    """
+
+    params: list[Tensor]
+    grads: list[Tensor]
+    exp_avgs: list[Tensor]
+    exp_avg_sqs: list[Tensor]
+    steps: list[Tensor]
+    lr: float | Tensor
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    adamw_mode: bool
+    bias_correction: bool
+    grad_scale: float
+    stochastic_rounding: bool
+    seed: int
+    counter_offsets: list[int]
+
+
+def adam_step_groups(owner: str, groups: Sequence[GroupStep]) -> None:
+    """One optimizer step: each tensor's step count advances by one once its kernel has run.
+
+    Tensors whose counts differ get a kernel call per count (their bias corrections differ).
+    Eagerly, the caller has checked the hyper-parameters. Under ``torch.compile`` the whole step
+    is one opaque op: the compiled step reads no tensor and branches on no value while traced.
+    The op checks every group's hyper-parameters when it runs, before it steps any (values that
+    change between calls are symbols while traced, and cannot be judged or printed then).
+    """
+    if torch.compiler.is_compiling():
+
+        def joined(name: str) -> list[Any]:
+            return [item for group in groups for item in getattr(group, name)]
+
+        def each(name: str) -> list[Any]:
+            return [getattr(group, name) for group in groups]
+
+        _adam_step_groups_op(
+            owner,
+            [len(group.params) for group in groups],
+            *(joined(name) for name in GroupStep._fields[:5]),
+            # float64 holds a float lr exactly
+            [lr if isinstance(lr, Tensor) else torch.tensor(lr, dtype=torch.float64) for lr in each("lr")],
+            *(each(name) for name in GroupStep._fields[6:-1]),
+            [offset for group in groups for offset in group.counter_offsets or [0] * len(group.params)],
+        )
+        return
+    for group in groups:
+        _step_group(group)
+
+
+def _step_group(group: GroupStep) -> None:
+    by_count: dict[int, list[int]] = defaultdict(list)
+    for i, count in enumerate(group.steps):
+        by_count[int(count.item()) + 1].append(i)  # the step being taken
+    for step, indices in by_count.items():
+        adam_step(
+            *([tensors[i] for i in indices] for tensors in group[:4]),
+            step=step,
+            lr=float(group.lr),
+            beta1=group.beta1,
+            beta2=group.beta2,
+            eps=group.eps,
+            weight_decay=group.weight_decay,
+            adamw_mode=group.adamw_mode,
+            bias_correction=group.bias_correction,
+            grad_scale=group.grad_scale,
+            stochastic_rounding=group.stochastic_rounding,
+            seed=group.seed,
+            counter_offsets=[group.counter_offsets[i] for i in indices] if group.counter_offsets else None,
+        )
+        for i in indices:  # counted once the kernel has run: a step that raised changes no count
+            group.steps[i] += 1
+
+
+@torch.library.custom_op("cpu_adam_py::adam_step_groups_", mutates_args=("params", "exp_avgs", "exp_avg_sqs", "steps"))
+def _adam_step_groups_op(
+    owner: str,
+    sizes: list[int],
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    steps: list[Tensor],
+    lr: list[Tensor],
+    beta1: list[float],
+    beta2: list[float],
+    eps: list[float],
+    weight_decay: list[float],
+    adamw_mode: list[bool],
+    bias_correction: list[bool],
+    grad_scale: list[float],
+    stochastic_rounding: list[bool],
+    seed: list[int],
+    counter_offsets: list[int],
+) -> None:
+    """``adam_step_groups`` as compiled: the groups' lists joined, ``sizes`` saying where each ends."""
+    joined = (params, grads, exp_avgs, exp_avg_sqs, steps)
+    per_group = (
+        lr,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+        adamw_mode,
+        bias_correction,
+        grad_scale,
+        stochastic_rounding,
+        seed,
+    )
+    groups, start = [], 0
+    for g, size in enumerate(sizes):
+        end = start + size
+        offsets = counter_offsets[start:end] if stochastic_rounding[g] else []
+        groups.append(GroupStep(*(each[start:end] for each in joined), *(each[g] for each in per_group), offsets))
+        start = end
+    for g, group in enumerate(groups):
+        betas = (group.beta1, group.beta2)
+        check_hyper_parameters(
+            f"{owner} param group {g} (compiled step)", group.lr, betas, group.eps, group.weight_decay
+        )
+    for group in groups:
+        _step_group(group)
+
+
+@_adam_step_groups_op.register_fake
+def _(*args) -> None:
+    return None  # it only mutates its inputs
 
 
 # ---- hyper-parameter checks, shared by both optimizers ----

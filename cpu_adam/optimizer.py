@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from collections import OrderedDict, defaultdict
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -125,56 +125,69 @@ class CPUAdam(torch.optim.Optimizer):
                 loss = closure()
         for index, group in enumerate(self.param_groups):  # all before any is stepped: a refused step changes nothing
             _check_group(f"CPUAdam param group {index}", group)
-        for index, group in enumerate(self.param_groups):
-            self._step_group(index, group)
+        groups = [self._group_step(index, group) for index, group in enumerate(self.param_groups)]
+        ops.adam_step_groups("CPUAdam", groups)
         return loss
 
-    def _step_group(self, index: int, group: dict[str, Any]) -> None:
-        # Params whose step counts differ (added later, or without grads on some
-        # steps) need their own bias corrections: one kernel call per count.
-        by_step: dict[int, list[Tensor]] = defaultdict(list)
+    def _group_step(self, index: int, group: dict[str, Any]) -> ops.GroupStep:
+        params: list[Tensor] = []
+        grads: list[Tensor] = []
+        exp_avgs: list[Tensor] = []
+        exp_avg_sqs: list[Tensor] = []
+        steps: list[Tensor] = []
+        self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, steps)
+        offsets = []
+        if group["stochastic_rounding"]:  # each param at its place in the group's counter space, grad or not
+            places = ops.back_to_back(group["params"], ops.group_counter_base(index))
+            offsets = [offset for p, offset in zip(group["params"], places) if p.grad is not None]
+        beta1, beta2 = group["betas"]
+        return ops.GroupStep(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            steps,
+            lr=group["lr"],
+            beta1=float(beta1),
+            beta2=float(beta2),
+            eps=float(group["eps"]),
+            weight_decay=float(group["weight_decay"]),
+            adamw_mode=bool(group["decoupled_weight_decay"]),
+            bias_correction=bool(group["bias_correction"]),
+            grad_scale=-1.0 if group.get("maximize") else 1.0,  # maximize: the step climbs the grad
+            stochastic_rounding=bool(group["stochastic_rounding"]),
+            seed=int(group["seed"]),
+            counter_offsets=offsets,
+        )
+
+    def _init_group(
+        self,
+        group: dict[str, Any],
+        params: list[Tensor],
+        grads: list[Tensor],
+        exp_avgs: list[Tensor],
+        exp_avg_sqs: list[Tensor],
+        steps: list[Tensor],
+    ) -> None:
+        """Appends the tensors of the params that have grads; state is created on a param's first step.
+
+        Named and shaped as torch's optimizers' method, which torch.compile runs in Python
+        instead of tracing it.
+        """
         for p in group["params"]:
             if p.grad is None:
                 continue
-            state = self._state_for(p, group)
-            by_step[int(state["step"].item()) + 1].append(p)  # the step being taken
-        beta1, beta2 = group["betas"]
-        offsets = {}
-        if group["stochastic_rounding"]:  # each param at its place in the group's counter space
-            offsets = dict(
-                zip(map(id, group["params"]), ops.back_to_back(group["params"], ops.group_counter_base(index)))
-            )
-        for step, params in by_step.items():
-            states = [self.state[p] for p in params]
-            ops.adam_step(
-                [_local(p) for p in params],
-                [_local(p.grad) for p in params],
-                [_local(s["exp_avg"]) for s in states],
-                [_local(s["exp_avg_sq"]) for s in states],
-                step=step,
-                lr=float(group["lr"]),
-                beta1=float(beta1),
-                beta2=float(beta2),
-                eps=group["eps"],
-                weight_decay=group["weight_decay"],
-                adamw_mode=group["decoupled_weight_decay"],
-                bias_correction=group["bias_correction"],
-                grad_scale=-1.0 if group.get("maximize") else 1.0,  # maximize: the step climbs the grad
-                stochastic_rounding=group["stochastic_rounding"],
-                seed=group["seed"],
-                counter_offsets=[offsets[id(p)] for p in params] if offsets else None,
-            )
-            for state in states:  # counted once the kernel has run: a step that raised changes no count
-                state["step"] += 1
-
-    def _state_for(self, p: Tensor, group: dict[str, Any]) -> dict[str, Any]:
-        state = self.state[p]
-        if not state:
-            dtype = _state_dtype(group)
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            for key in MOMENTS:
-                state[key] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
-        return state
+            state = self.state[p]
+            if not state:
+                dtype = _state_dtype(group)
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                for key in MOMENTS:
+                    state[key] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+            params.append(_local(p))
+            grads.append(_local(p.grad))
+            exp_avgs.append(_local(state["exp_avg"]))
+            exp_avg_sqs.append(_local(state["exp_avg_sq"]))
+            steps.append(state["step"])
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads this optimizer's or torch Adam/AdamW's state dict.
@@ -225,9 +238,14 @@ class CPUAdam(torch.optim.Optimizer):
 
 
 def _check_group(owner: str, group: dict[str, Any]) -> None:
-    ops.check_param_group(owner, group)
-    ops.checked_seed(owner, group["seed"])
-    unsupported = [flag for flag in _UNSUPPORTED_FLAGS if group.get(flag)]
+    compiling = torch.compiler.is_compiling()
+    if not compiling:  # a compiled step checks the values when it runs (ops.adam_step_groups)
+        ops.check_param_group(owner, group)
+        ops.checked_seed(owner, group["seed"])
+    # While compiling, dynamo shows every param group with capturable=True (for its CUDA graphs);
+    # the group itself is unchanged.
+    ignored = ("capturable",) if compiling else ()
+    unsupported = [flag for flag in _UNSUPPORTED_FLAGS if group.get(flag) and flag not in ignored]
     if unsupported:
         raise ValueError(
             f"{owner}: CPUAdam supports none of {', '.join(_UNSUPPORTED_FLAGS)}; "

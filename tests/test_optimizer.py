@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import re
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -755,3 +756,73 @@ def test_steps_without_grads_or_with_zero_grads_change_nothing() -> None:
     optimizer.step()
     assert torch.equal(raw(param), before)
     assert [s["step"].item() for s in optimizer.state.values()] == [1.0, 1.0, 1.0]
+
+
+# ---- torch.compile ----
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lr", ["float", "tensor"])
+def test_compiled_step_is_bitwise_the_eager_step(lr: str) -> None:
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    def build() -> tuple[list[torch.nn.Parameter], CPUAdam]:
+        params = make_params(torch.bfloat16)
+        group_lr = torch.tensor(3e-2) if lr == "tensor" else 3e-2
+        groups = [
+            {"params": params[:2]},
+            {"params": params[2:], "lr": group_lr, "maximize": True, "weight_decay": 0.0, "betas": (0.8, 0.95)},
+        ]
+        first_lr = torch.tensor(HYPER["lr"]) if lr == "tensor" else HYPER["lr"]
+        return params, CPUAdam(groups, **{**HYPER, "lr": first_lr}, stochastic_rounding=True, seed=5)
+
+    torch._dynamo.reset()
+    eager_params, eager = build()
+    compiled_params, compiled = build()
+    counter = CompileCounterWithBackend("inductor")
+
+    @torch.compile(fullgraph=True, backend=counter)
+    def train_step() -> None:
+        compiled.step()
+
+    for step in range(6):
+        for i, (p, q, g) in enumerate(zip(eager_params, compiled_params, grads_for(eager_params, step))):
+            p.grad, q.grad = (None, None) if (step, i) == (3, 1) else (g.clone(), g.clone())
+        eager.step()
+        train_step()
+        assert all(torch.equal(raw(p), raw(q)) for p, q in zip(eager_params, compiled_params)), f"step {step}"
+        if lr == "tensor":  # as torch's schedulers change a tensor lr: in place, no recompilation
+            for optimizer in (eager, compiled):
+                optimizer.param_groups[1]["lr"].mul_(0.5)
+    assert_same_state_dicts(eager.state_dict(), compiled.state_dict())
+    assert compiled.state[compiled_params[1]]["step"].item() == 5  # it had no grad once
+    assert counter.frame_count == 2  # the graph, and the one for the step where a grad was missing
+
+
+def test_a_compiled_step_refuses_bad_values_before_anything_changes() -> None:
+    # Values that change between calls are symbols while traced: the step's op checks them when it
+    # runs, every group before it steps any, and raises torch's exception even under fullgraph.
+    params = make_params()
+    groups = [{"params": params[:2], "lr": torch.tensor(1e-3)}, {"params": params[2:], "lr": torch.tensor(1e-3)}]
+    optimizer = CPUAdam(groups, **{k: v for k, v in HYPER.items() if k != "lr"})
+    train_step = torch.compile(optimizer.step, fullgraph=True, backend="aot_eager")
+    with_grads(params, 0)
+    train_step()
+
+    def set_group(**values: Any) -> Callable[[dict[str, Any]], None]:
+        return lambda group: group.update(values)
+
+    cases = [
+        (lambda group: group["lr"].fill_(-1.0), lambda group: group["lr"].fill_(1e-3), r"Invalid learning rate: -1\.0"),
+        (set_group(betas=(0.9, 1.5)), set_group(betas=HYPER["betas"]), r"Invalid beta parameter at index 1: 1\.5"),
+        (set_group(eps=float("inf")), set_group(eps=HYPER["eps"]), r"Invalid epsilon value: inf"),
+    ]
+    optimizer.param_groups[1]["betas"] = (0.9, 0.98)  # a second value: betas are symbols from now on
+    train_step()
+    for edit, undo, match in cases:
+        edit(optimizer.param_groups[1])
+        before = snapshot(optimizer)
+        with pytest.raises(ValueError, match=match + r" \(CPUAdam param group 1 \(compiled step\)"):
+            train_step()
+        assert_same_snapshot(before, snapshot(optimizer))
+        undo(optimizer.param_groups[1])
