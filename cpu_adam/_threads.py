@@ -11,6 +11,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _warned = False
+_judged = False  # whether the steps' thread count was judged: once per process
 
 
 def usable_cores() -> int:
@@ -39,6 +40,15 @@ def warn_if_single_threaded(share: int | None = None) -> None:
             f"{share}) or set OMP_NUM_THREADS={share}.",
             stacklevel=3,
         )
+
+
+def judge_threads_once() -> None:
+    """The per-step check: the first step judges the thread count, later ones cost nothing
+    (a system call on every step would be overhead on the hot path)."""
+    global _judged
+    if not _judged:
+        _judged = True
+        warn_if_single_threaded()
 
 
 def check_threads(rank: int, world_size: int) -> int:

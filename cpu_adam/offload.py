@@ -44,7 +44,14 @@ from ._handover import check_sources, hand_over, target_device
 from ._offloaded_grad import OffloadedGrad
 from ._threads import check_threads
 from ._transfers import Transfers
-from .ops import adam_step, check_hyper_parameters, group_counter_base
+from .ops import (
+    adam_step,
+    check_hyper_parameters,
+    check_param_group,
+    check_step_count,
+    checked_seed,
+    group_counter_base,
+)
 
 __all__ = ["OffloadOptimizer"]
 
@@ -55,6 +62,7 @@ logger = logging.getLogger(__name__)
 KERNEL_CHUNK = 2**25
 DEFAULT_BUCKET_SIZE = 2**23  # elements: 16 MiB of bf16 grads per copy, far past PCIe's small-copy overheads
 STATE_DICT_FORMAT = "cpu_adam.OffloadOptimizer/1"
+OWNER = "cpu_adam.OffloadOptimizer"
 
 
 def _check_no_shared_memory(params: list[Tensor]) -> None:
@@ -144,7 +152,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
-        lr: float = 1e-3,
+        lr: float | Tensor = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
@@ -160,7 +168,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         seed: int | None = None,
         device: str | torch.device | None = None,
     ) -> None:
-        check_hyper_parameters("cpu_adam.OffloadOptimizer", float(lr), betas, eps, weight_decay)
+        check_hyper_parameters(OWNER, lr, betas, eps, weight_decay)
+        seed = None if seed is None else checked_seed(OWNER, seed)
         if master_weights_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(
                 f"master_weights_dtype must be torch.float32 or torch.bfloat16, got {master_weights_dtype}"
@@ -250,6 +259,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 "cpu_adam.OffloadOptimizer lays params out in flat buffers when it is built: "
                 "pass every param group to the constructor"
             )
+        check_param_group(f"{OWNER} param group {len(self.param_groups)}", {**self.defaults, **param_group})
         super().add_param_group(param_group)
 
     @staticmethod
@@ -307,6 +317,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        for g, options in enumerate(self.param_groups):  # edited groups, refused before anything changes
+            check_param_group(f"{OWNER} param group {g}", options)
         if self._comm is not None:
             self._comm.check_alive()  # also after a backward that failed on it
         self._grads.check_finished()
@@ -563,6 +575,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         ``prepare`` moves a state dict to the device and loads it back, which must not put the
         whole host state on the GPU.
         """
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
         state = {}
         for g, group in enumerate(self._groups):
             if group is None:
@@ -594,6 +608,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         }
         if self._comm is not None:
             state_dict["zero"] = {"rank": self.rank, "world_size": self.world_size, "bucket_size": self.bucket_size}
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            returned = post_hook(self, state_dict)
+            if returned is not None:
+                state_dict = returned
         return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -601,8 +619,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
         Takes a full state dict (one process's, or consolidated from a ZeRO run) on any number
         of ranks, each rank keeping its slice; or, with a process group, this rank's own shard.
-        With a process group every rank must call it (the weights are all-gathered).
+        With a process group every rank must call it (the weights are all-gathered). Everything is
+        checked before anything changes. Load hooks run as with torch's optimizers.
         """
+        state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            returned = pre_hook(self, state_dict)
+            if returned is not None:
+                state_dict = returned
         if state_dict.get("format") != STATE_DICT_FORMAT:
             raise ValueError(
                 f"cpu_adam.OffloadOptimizer.load_state_dict: not a {STATE_DICT_FORMAT} state dict "
@@ -626,6 +650,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             ):
                 raise ValueError(f"param group {g} of the state dict has taken steps but lacks its masters or moments")
         max_grad_norm = _checked_max_grad_norm(state_dict["max_grad_norm"])
+        _check_loadable(state_dict)
         zero = state_dict.get("zero")
         if zero is not None:
             check_shard(zero, self.rank, self.world_size, self.bucket_size)
@@ -665,6 +690,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.skipped_steps = int(state_dict["skipped_steps"])
         self.max_grad_norm = max_grad_norm
         self._grads.reset()
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     def __del__(self) -> None:
         # Only the optimizer itself: Lightning's wrapper copies this __dict__ and must not close it.
@@ -673,6 +700,17 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 self.close()
         except Exception:
             pass
+
+
+def _check_loadable(state_dict: dict[str, Any]) -> None:
+    where = f"{OWNER}.load_state_dict"
+    for g, options in enumerate(state_dict["param_groups"]):
+        check_param_group(f"{where}: param group {g}", options)
+    for g, saved in state_dict["state"].items():
+        for count in [saved["step"], *saved.get("param_steps", [])]:
+            check_step_count(f"{where}: param group {g}", count)
+    checked_seed(where, state_dict["seed"])
+    check_step_count(f"{where}: skipped_steps", state_dict["skipped_steps"])
 
 
 def _check_unclaimed(groups: list[list[Tensor]]) -> None:

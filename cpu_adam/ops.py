@@ -7,18 +7,22 @@ at import.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+import numbers
+from collections import defaultdict
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from . import _build
-from ._threads import warn_if_single_threaded
+from ._threads import judge_threads_once
 
 __all__ = [
     "active_isa",
     "adam_step",
+    "adam_step_groups",
     "bandwidth_probe",
     "compiled_isas",
     "force_isa",
@@ -121,8 +125,8 @@ def adam_step(
     _check_all(params, grads, exp_avgs, exp_avg_sqs, outs)
     if not (params or grads or exp_avgs or exp_avg_sqs or outs):
         return  # nothing to step (the dispatcher needs a tensor to route the op)
-    if not torch.compiler.is_compiling():  # a system call per step would break a compiled graph
-        warn_if_single_threaded()
+    if not torch.compiler.is_compiling():  # a system call would break a compiled graph
+        judge_threads_once()
     bias_correction1 = 1.0 - beta1**step if bias_correction else 1.0
     bias_correction2 = 1.0 - beta2**step if bias_correction else 1.0
     if not stochastic_rounding:
@@ -211,13 +215,219 @@ def force_isa(name: str) -> Iterator[None]:
         _ops().set_isa(previous)
 
 
-def check_hyper_parameters(owner: str, lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
-    """Raises a ValueError naming ``owner`` and the bad value; shared by both optimizers."""
-    if not (lr >= 0 and math.isfinite(lr)):
-        raise ValueError(f"{owner}: lr must be a finite number >= 0, got {lr}")
-    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-        raise ValueError(f"{owner}: betas must be two numbers in [0, 1), got {betas}")
-    if not eps >= 0:
-        raise ValueError(f"{owner}: eps must be >= 0, got {eps}")
-    if not weight_decay >= 0:
-        raise ValueError(f"{owner}: weight_decay must be >= 0, got {weight_decay}")
+class GroupStep(NamedTuple):
+    """One param group's part of an optimizer step: the tensors of its params that have grads, their
+    step counts (0-dim tensors, torch's ``state["step"]``), and the group's hyper-parameters as
+    ``adam_step`` takes them (``counter_offsets``: one per tensor, or none without stochastic rounding).
+    """
+
+    params: list[Tensor]
+    grads: list[Tensor]
+    exp_avgs: list[Tensor]
+    exp_avg_sqs: list[Tensor]
+    steps: list[Tensor]
+    lr: float | Tensor
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    adamw_mode: bool
+    bias_correction: bool
+    grad_scale: float
+    stochastic_rounding: bool
+    seed: int
+    counter_offsets: list[int]
+
+
+def adam_step_groups(owner: str, groups: Sequence[GroupStep]) -> None:
+    """One optimizer step: each tensor's step count advances by one once its kernel has run.
+
+    Tensors whose counts differ get a kernel call per count (their bias corrections differ).
+    Eagerly, the caller has checked the hyper-parameters. Under ``torch.compile`` the whole step
+    is one opaque op: the compiled step reads no tensor and branches on no value while traced.
+    The op checks every group's hyper-parameters when it runs, before it steps any (values that
+    change between calls are symbols while traced, and cannot be judged or printed then).
+    """
+    if torch.compiler.is_compiling():
+
+        def joined(name: str) -> list[Any]:
+            return [item for group in groups for item in getattr(group, name)]
+
+        def each(name: str) -> list[Any]:
+            return [getattr(group, name) for group in groups]
+
+        _adam_step_groups_op(
+            owner,
+            [len(group.params) for group in groups],
+            *(joined(name) for name in GroupStep._fields[:5]),
+            # float64 holds a float lr exactly
+            [lr if isinstance(lr, Tensor) else torch.tensor(lr, dtype=torch.float64) for lr in each("lr")],
+            *(each(name) for name in GroupStep._fields[6:-1]),
+            [offset for group in groups for offset in group.counter_offsets or [0] * len(group.params)],
+        )
+        return
+    for group in groups:
+        _step_group(group)
+
+
+def _step_group(group: GroupStep) -> None:
+    by_count: dict[int, list[int]] = defaultdict(list)
+    for i, count in enumerate(group.steps):
+        by_count[int(count.item()) + 1].append(i)  # the step being taken
+    for step, indices in by_count.items():
+        adam_step(
+            *([tensors[i] for i in indices] for tensors in group[:4]),
+            step=step,
+            lr=float(group.lr),
+            beta1=group.beta1,
+            beta2=group.beta2,
+            eps=group.eps,
+            weight_decay=group.weight_decay,
+            adamw_mode=group.adamw_mode,
+            bias_correction=group.bias_correction,
+            grad_scale=group.grad_scale,
+            stochastic_rounding=group.stochastic_rounding,
+            seed=group.seed,
+            counter_offsets=[group.counter_offsets[i] for i in indices] if group.counter_offsets else None,
+        )
+        for i in indices:  # counted once the kernel has run: a step that raised changes no count
+            group.steps[i] += 1
+
+
+@torch.library.custom_op("cpu_adam_py::adam_step_groups_", mutates_args=("params", "exp_avgs", "exp_avg_sqs", "steps"))
+def _adam_step_groups_op(
+    owner: str,
+    sizes: list[int],
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    steps: list[Tensor],
+    lr: list[Tensor],
+    beta1: list[float],
+    beta2: list[float],
+    eps: list[float],
+    weight_decay: list[float],
+    adamw_mode: list[bool],
+    bias_correction: list[bool],
+    grad_scale: list[float],
+    stochastic_rounding: list[bool],
+    seed: list[int],
+    counter_offsets: list[int],
+) -> None:
+    """``adam_step_groups`` as compiled: the groups' lists joined, ``sizes`` saying where each ends."""
+    joined = (params, grads, exp_avgs, exp_avg_sqs, steps)
+    per_group = (
+        lr,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+        adamw_mode,
+        bias_correction,
+        grad_scale,
+        stochastic_rounding,
+        seed,
+    )
+    groups, start = [], 0
+    for g, size in enumerate(sizes):
+        end = start + size
+        offsets = counter_offsets[start:end] if stochastic_rounding[g] else []
+        groups.append(GroupStep(*(each[start:end] for each in joined), *(each[g] for each in per_group), offsets))
+        start = end
+    for g, group in enumerate(groups):
+        betas = (group.beta1, group.beta2)
+        check_hyper_parameters(
+            f"{owner} param group {g} (compiled step)", group.lr, betas, group.eps, group.weight_decay
+        )
+    for group in groups:
+        _step_group(group)
+
+
+@_adam_step_groups_op.register_fake
+def _(*args) -> None:
+    return None  # it only mutates its inputs
+
+
+# ---- hyper-parameter checks, shared by both optimizers ----
+
+
+def check_hyper_parameters(owner: str, lr: float | Tensor, betas: Any, eps: float, weight_decay: float) -> None:
+    """Refuses what the step cannot use, where it is set: construction, add_param_group,
+    load_state_dict and every step (a param group edited in place).
+
+    What ``torch.optim.AdamW`` refuses raises its exception with its message, followed by
+    ``owner`` and what is allowed; beyond AdamW, infinite values, and values that are not numbers
+    (TypeError). A 1-element tensor lr is accepted, as in torch.
+    """
+    if not _finite_and_non_negative(_lr_value(owner, lr)):
+        raise ValueError(f"Invalid learning rate: {lr} ({owner}: lr must be a finite number >= 0)")
+    if not _finite_and_non_negative(_number(owner, "eps", eps)):
+        raise ValueError(f"Invalid epsilon value: {eps} ({owner}: eps must be a finite number >= 0)")
+    for index, beta in enumerate(_pair_of_numbers(owner, betas)):
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"Invalid beta parameter at index {index}: {beta} ({owner}: betas must be in [0, 1))")
+    if not _finite_and_non_negative(_number(owner, "weight_decay", weight_decay)):
+        raise ValueError(
+            f"Invalid weight_decay value: {weight_decay} ({owner}: weight_decay must be a finite number >= 0)"
+        )
+
+
+def check_param_group(owner: str, group: Mapping[str, Any]) -> None:
+    """``check_hyper_parameters`` on a param group's values."""
+    check_hyper_parameters(owner, group["lr"], group["betas"], group["eps"], group["weight_decay"])
+
+
+def checked_seed(owner: str, seed: Any) -> int:
+    """The stochastic rounding seed as the kernel takes it: an integer of 64 bits."""
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"{owner}: seed must be an integer, got {seed!r}")
+    if not -(2**63) <= seed < 2**63:
+        raise ValueError(f"{owner}: seed must fit in 64 bits (signed), got {seed}")
+    return int(seed)
+
+
+def check_step_count(owner: str, count: Any) -> None:
+    """A loaded step count (a number or a 1-element tensor) must be a whole number >= 0."""
+    value = count.item() if isinstance(count, Tensor) and count.numel() == 1 else count
+    if not (_is_number(value) and math.isfinite(value) and value >= 0 and value == int(value)):
+        raise ValueError(
+            f"{owner}: a step count must be a whole number >= 0, got {value!r}; "
+            "the state dict was damaged or edited, and a step would use wrong bias corrections"
+        )
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _number(owner: str, name: str, value: Any) -> float:
+    if not _is_number(value):
+        raise TypeError(f"{owner}: {name} must be a number, got {value!r}")
+    return float(value)
+
+
+def _finite_and_non_negative(value: float) -> bool:
+    return 0.0 <= value < math.inf  # also False for nan
+
+
+def _lr_value(owner: str, lr: Any) -> float:
+    if not isinstance(lr, Tensor):
+        return _number(owner, "lr", lr)
+    if lr.numel() != 1:
+        raise ValueError(f"Tensor lr must be 1-element ({owner}: got shape {tuple(lr.shape)})")
+    return _number(owner, "lr", lr.item())
+
+
+def _pair_of_numbers(owner: str, betas: Any) -> tuple[float, float]:
+    def refused(error: type[Exception], hint: str = "") -> Exception:
+        return error(f"{owner}: betas must be a pair of numbers (beta1, beta2), got {betas!r}{hint}")
+
+    sequence = isinstance(betas, (tuple, list))
+    if sequence and any(isinstance(b, Tensor) for b in betas):
+        raise refused(TypeError, "; tensor betas are not supported: pass floats")
+    if not sequence or not all(_is_number(b) for b in betas):
+        raise refused(TypeError)
+    if len(betas) != 2:
+        raise refused(ValueError)
+    return float(betas[0]), float(betas[1])

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import sys
-from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -14,6 +15,7 @@ from . import ops
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 _OWN_KEYS = ("bias_correction", "fp32_optimizer_states", "stochastic_rounding", "seed", "decoupled_weight_decay")
+_UNSUPPORTED_FLAGS = ("amsgrad", "capturable", "differentiable")
 
 
 def _local(t: Tensor) -> Tensor:
@@ -49,7 +51,7 @@ class CPUAdam(torch.optim.Optimizer):
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
-        lr: float = 1e-3,
+        lr: float | Tensor = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float | None = None,
@@ -66,6 +68,11 @@ class CPUAdam(torch.optim.Optimizer):
         capturable: bool = False,
         differentiable: bool = False,
     ) -> None:
+        # torch's checks and messages, for what it refuses whatever the device
+        if fused and differentiable:
+            raise RuntimeError("`fused` does not support `differentiable` (nor does CPUAdam: use torch.optim.AdamW)")
+        if fused and foreach:
+            raise RuntimeError("`fused` and `foreach` cannot be `True` together. (CPUAdam: pass at most one of them)")
         if amsgrad:
             raise ValueError(
                 "CPUAdam does not implement amsgrad; use torch.optim.AdamW(amsgrad=True) for it, or drop amsgrad=True"
@@ -78,7 +85,7 @@ class CPUAdam(torch.optim.Optimizer):
         del foreach, fused  # every step is one fused pass: both implementations of torch give these numbers
         if weight_decay is None:  # as the optimizer it stands in for: torch.optim.AdamW or torch.optim.Adam
             weight_decay = 1e-2 if adamw_mode else 0.0
-        ops.check_hyper_parameters("CPUAdam", float(lr), betas, eps, weight_decay)
+        ops.check_hyper_parameters("CPUAdam", lr, betas, eps, weight_decay)
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,)).item())
         defaults = {
@@ -92,7 +99,7 @@ class CPUAdam(torch.optim.Optimizer):
             "maximize": maximize,
             "fp32_optimizer_states": fp32_optimizer_states,
             "stochastic_rounding": stochastic_rounding,
-            "seed": seed,
+            "seed": ops.checked_seed("CPUAdam", seed),
         }
         super().__init__(params, defaults)
 
@@ -105,94 +112,120 @@ class CPUAdam(torch.optim.Optimizer):
                 if key in self.defaults:
                     group.setdefault(key, self.defaults[key])
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if isinstance(param_group, dict):  # torch's add_param_group refuses anything else
+            _check_group(f"CPUAdam param group {len(self.param_groups)}", {**self.defaults, **param_group})
+        super().add_param_group(param_group)
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for index, group in enumerate(self.param_groups):
-            self._step_group(index, group)
+        for index, group in enumerate(self.param_groups):  # all before any is stepped: a refused step changes nothing
+            _check_group(f"CPUAdam param group {index}", group)
+        groups = [self._group_step(index, group) for index, group in enumerate(self.param_groups)]
+        ops.adam_step_groups("CPUAdam", groups)
         return loss
 
-    def _step_group(self, index: int, group: dict[str, Any]) -> None:
-        if group.get("amsgrad") or group.get("capturable") or group.get("differentiable"):
-            raise ValueError(
-                "CPUAdam supports none of amsgrad, capturable and differentiable; set them False in the param group"
-            )
-        # Params whose step counts differ (added later, or without grads on some
-        # steps) need their own bias corrections: one kernel call per count.
-        by_step: dict[int, list[Tensor]] = defaultdict(list)
+    def _group_step(self, index: int, group: dict[str, Any]) -> ops.GroupStep:
+        params: list[Tensor] = []
+        grads: list[Tensor] = []
+        exp_avgs: list[Tensor] = []
+        exp_avg_sqs: list[Tensor] = []
+        steps: list[Tensor] = []
+        self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, steps)
+        offsets = []
+        if group["stochastic_rounding"]:  # each param at its place in the group's counter space, grad or not
+            places = ops.back_to_back(group["params"], ops.group_counter_base(index))
+            offsets = [offset for p, offset in zip(group["params"], places) if p.grad is not None]
+        beta1, beta2 = group["betas"]
+        return ops.GroupStep(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            steps,
+            lr=group["lr"],
+            beta1=float(beta1),
+            beta2=float(beta2),
+            eps=float(group["eps"]),
+            weight_decay=float(group["weight_decay"]),
+            adamw_mode=bool(group["decoupled_weight_decay"]),
+            bias_correction=bool(group["bias_correction"]),
+            grad_scale=-1.0 if group.get("maximize") else 1.0,  # maximize: the step climbs the grad
+            stochastic_rounding=bool(group["stochastic_rounding"]),
+            seed=int(group["seed"]),
+            counter_offsets=offsets,
+        )
+
+    def _init_group(
+        self,
+        group: dict[str, Any],
+        params: list[Tensor],
+        grads: list[Tensor],
+        exp_avgs: list[Tensor],
+        exp_avg_sqs: list[Tensor],
+        steps: list[Tensor],
+    ) -> None:
+        """Appends the tensors of the params that have grads; state is created on a param's first step.
+
+        Named and shaped as torch's optimizers' method, which torch.compile runs in Python
+        instead of tracing it.
+        """
         for p in group["params"]:
             if p.grad is None:
                 continue
-            state = self._state_for(p, group)
-            by_step[int(state["step"].item()) + 1].append(p)  # the step being taken
-        beta1, beta2 = group["betas"]
-        offsets = {}
-        if group["stochastic_rounding"]:  # each param at its place in the group's counter space
-            offsets = dict(
-                zip(map(id, group["params"]), ops.back_to_back(group["params"], ops.group_counter_base(index)))
-            )
-        for step, params in by_step.items():
-            states = [self.state[p] for p in params]
-            ops.adam_step(
-                [_local(p) for p in params],
-                [_local(p.grad) for p in params],
-                [_local(s["exp_avg"]) for s in states],
-                [_local(s["exp_avg_sq"]) for s in states],
-                step=step,
-                lr=float(group["lr"]),
-                beta1=float(beta1),
-                beta2=float(beta2),
-                eps=group["eps"],
-                weight_decay=group["weight_decay"],
-                adamw_mode=group["decoupled_weight_decay"],
-                bias_correction=group["bias_correction"],
-                grad_scale=-1.0 if group.get("maximize") else 1.0,  # maximize: the step climbs the grad
-                stochastic_rounding=group["stochastic_rounding"],
-                seed=group["seed"],
-                counter_offsets=[offsets[id(p)] for p in params] if offsets else None,
-            )
-            for state in states:  # counted once the kernel has run: a step that raised changes no count
-                state["step"] += 1
-
-    def _state_for(self, p: Tensor, group: dict[str, Any]) -> dict[str, Any]:
-        state = self.state[p]
-        if not state:
-            dtype = _state_dtype(group)
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            for key in MOMENTS:
-                state[key] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
-        return state
+            state = self.state[p]
+            if not state:
+                dtype = _state_dtype(group)
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                for key in MOMENTS:
+                    state[key] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+            params.append(_local(p))
+            grads.append(_local(p.grad))
+            exp_avgs.append(_local(state["exp_avg"]))
+            exp_avg_sqs.append(_local(state["exp_avg_sq"]))
+            steps.append(state["step"])
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads this optimizer's or torch Adam/AdamW's state dict.
 
-        Hyper-parameters come from the state dict, as in torch; the moments keep
-        the dtype this optimizer was built with (``fp32_optimizer_states``),
-        converted directly from what was saved. (torch's own load would cast them
-        to the param dtype first, losing float32 moments of bfloat16 params.)
+        Hyper-parameters come from the state dict, as in torch, and are checked before anything
+        changes; the moments keep the dtype this optimizer was built with
+        (``fp32_optimizer_states``), converted directly from what was saved. (torch's own load
+        would cast them to the param dtype first, losing float32 moments of bfloat16 params.)
+        Load hooks see the whole state dict, as with torch's optimizers.
         """
+        state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            returned = pre_hook(self, state_dict)
+            if returned is not None:
+                state_dict = returned
+        _check_loadable(state_dict, self.defaults)
         keep_fp32_states = [g["fp32_optimizer_states"] for g in self.param_groups]
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
-        moments = {
-            i: {k: v for k, v in s.items() if k in MOMENTS} for i, s in state_dict["state"].items() if i in saved_ids
-        }
+        per_param = {i: s for i, s in state_dict["state"].items() if isinstance(s, dict)}
+        moments = {i: {k: v for k, v in s.items() if k in MOMENTS} for i, s in per_param.items() if i in saved_ids}
         # Steps are cloned: torch's load keeps the saved step tensors, which a live
         # optimizer that produced them would go on incrementing in place.
         without_moments = {
             "state": {
                 i: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items() if k not in MOMENTS}
+                if i in per_param
+                else s
                 for i, s in state_dict["state"].items()
             },
             "param_groups": state_dict["param_groups"],
         }
-        for saved in without_moments["state"].values():
+        for i in per_param:
+            saved = without_moments["state"][i]
             if "step" in saved and not torch.is_tensor(saved["step"]):  # torch < 1.12 and DeepSpeed save a number
                 saved["step"] = torch.tensor(float(saved["step"]), dtype=torch.float32)
-        super().load_state_dict(without_moments)
+        with _load_hooks_paused(self):  # they ran above, on the state dict with its moments
+            super().load_state_dict(without_moments)
         for group, fp32 in zip(self.param_groups, keep_fp32_states):
             group["fp32_optimizer_states"] = fp32
         group_of = {id(p): g for g in self.param_groups for p in g["params"]}
@@ -200,6 +233,43 @@ class CPUAdam(torch.optim.Optimizer):
             dtype = _state_dtype(group_of[id(p)])
             for key, value in moments.get(saved_id, {}).items():
                 self.state[p][key] = value.to(device=p.device, dtype=dtype, copy=True)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+
+def _check_group(owner: str, group: dict[str, Any]) -> None:
+    compiling = torch.compiler.is_compiling()
+    if not compiling:  # a compiled step checks the values when it runs (ops.adam_step_groups)
+        ops.check_param_group(owner, group)
+        ops.checked_seed(owner, group["seed"])
+    # While compiling, dynamo shows every param group with capturable=True (for its CUDA graphs);
+    # the group itself is unchanged.
+    ignored = ("capturable",) if compiling else ()
+    unsupported = [flag for flag in _UNSUPPORTED_FLAGS if group.get(flag) and flag not in ignored]
+    if unsupported:
+        raise ValueError(
+            f"{owner}: CPUAdam supports none of {', '.join(_UNSUPPORTED_FLAGS)}; "
+            f"set {' and '.join(unsupported)} False in the param group"
+        )
+
+
+def _check_loadable(state_dict: dict[str, Any], defaults: dict[str, Any]) -> None:
+    for index, saved in enumerate(state_dict["param_groups"]):
+        _check_group(f"CPUAdam.load_state_dict: param group {index}", {**defaults, **saved})
+    for key, saved in state_dict["state"].items():
+        if isinstance(saved, dict) and "step" in saved:
+            ops.check_step_count(f"CPUAdam.load_state_dict: the state of param {key}", saved["step"])
+
+
+@contextmanager
+def _load_hooks_paused(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    hooks = optimizer._optimizer_load_state_dict_pre_hooks, optimizer._optimizer_load_state_dict_post_hooks
+    optimizer._optimizer_load_state_dict_pre_hooks = OrderedDict()
+    optimizer._optimizer_load_state_dict_post_hooks = OrderedDict()
+    try:
+        yield
+    finally:
+        optimizer._optimizer_load_state_dict_pre_hooks, optimizer._optimizer_load_state_dict_post_hooks = hooks
 
 
 def _state_dtype(group: dict[str, Any]) -> torch.dtype:

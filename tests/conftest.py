@@ -55,3 +55,26 @@ def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.where(i < 0, -(i + sign_bit), i)
 
     return (ordered(a) - ordered(b)).abs()
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of a tensor: equal means bitwise equal (NaNs and signed zeros included)."""
+    return t.detach().reshape(-1).view(torch.uint8).clone()
+
+
+def printed_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, str]]:
+    """Parses torch's Optimizer.__repr__: a line per group, then `    key: value` sorted by key;
+    a blank line between groups."""
+    lines = repr(optimizer).splitlines()
+    assert lines[0] == f"{type(optimizer).__name__} (" and lines[-1] == ")"
+    groups: list[dict[str, str]] = []
+    for line in lines[1:-1]:
+        if not line:
+            assert groups and groups[-1]
+        elif line.startswith("Parameter Group "):
+            assert line == f"Parameter Group {len(groups)}"
+            groups.append({})
+        else:
+            key, value = line.strip().split(": ", 1)
+            groups[-1][key] = value
+    return groups

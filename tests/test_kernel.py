@@ -224,6 +224,7 @@ def test_single_thread_warns_once_with_the_fix(
     monkeypatch: pytest.MonkeyPatch, cores: int, local_ranks: str, warns: bool
 ) -> None:
     monkeypatch.setattr(_threads, "_warned", False)
+    monkeypatch.setattr(_threads, "_judged", False)
     monkeypatch.setattr(_threads, "usable_cores", lambda: cores)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", local_ranks)
     threads = torch.get_num_threads()
@@ -241,6 +242,17 @@ def test_single_thread_warns_once_with_the_fix(
         assert len(messages) == 1 and f"set_num_threads({cores // int(local_ranks)})" in messages[0]
     else:
         assert messages == []
+
+
+def test_threads_are_judged_on_the_first_step_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The judgement reads the CPU affinity (a system call): not on every step.
+    judged = []
+    monkeypatch.setattr(_threads, "_judged", False)
+    monkeypatch.setattr(_threads, "usable_cores", lambda: judged.append(True) or 1)
+    tensors = [[small()] for _ in range(4)]
+    for _ in range(3):
+        ops.adam_step(*tensors, step=1, **HYPER)
+    assert judged == [True]
 
 
 def test_steps_run_on_every_thread() -> None:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 import io
 import logging
+from typing import Any
 
 import pytest
 import torch
+from conftest import printed_groups, raw
 from offload_helpers import (
     MASTER_ATOL,
     AdamWOracle,
@@ -370,14 +373,163 @@ def test_rejects_unsupported_options():
     ("option", "match"),
     [
         ({"lr": -1e-3}, "lr"),
+        ({"lr": float("nan")}, "lr"),
         ({"betas": (0.9, 1.0)}, "betas"),
         ({"eps": -1.0}, "eps"),
         ({"weight_decay": -1.0}, "weight"),
     ],
 )
-def test_rejects_bad_hyper_parameters(option: dict, match: str):
-    with pytest.raises(ValueError, match=rf"OffloadOptimizer: {match}"):
+def test_rejects_bad_hyper_parameters_as_adamw_does(option: dict, match: str):
+    with pytest.raises(Exception) as theirs:
+        torch.optim.AdamW(make_model().parameters(), **option)
+    with pytest.raises(type(theirs.value), match=rf"OffloadOptimizer: {match}") as ours:
         OffloadOptimizer(make_model().parameters(), **option)
+    assert str(ours.value).startswith(str(theirs.value)), "torch's message, then ours"
+
+
+@pytest.mark.parametrize(
+    ("option", "error", "match"),
+    [
+        ({"lr": float("inf")}, ValueError, r"Invalid learning rate: inf \(cpu_adam\.OffloadOptimizer: lr must be"),
+        ({"betas": None}, TypeError, r"OffloadOptimizer: betas must be a pair of numbers \(beta1, beta2\), got None"),
+        ({"seed": "x"}, TypeError, "OffloadOptimizer: seed must be an integer, got 'x'"),
+    ],
+)
+def test_rejects_what_adamw_lets_through(option: dict, error: type, match: str):
+    with pytest.raises(error, match=match):
+        OffloadOptimizer(make_model().parameters(), **option)
+
+
+BAD_GROUP_VALUES = [
+    ("lr", -1.0, ValueError, r"Invalid learning rate: -1\.0"),
+    ("lr", torch.tensor(float("nan")), ValueError, "Invalid learning rate: nan"),
+    ("betas", (0.9, 1.5), ValueError, r"Invalid beta parameter at index 1: 1\.5"),
+    ("betas", (0.9,), ValueError, "betas must be a pair of numbers"),
+    ("eps", float("inf"), ValueError, "Invalid epsilon value: inf"),
+    ("weight_decay", -0.5, ValueError, r"Invalid weight_decay value: -0\.5"),
+]
+
+
+def _offload_snapshot(opt: OffloadOptimizer, params: list[nn.Parameter]) -> dict[str, Any]:
+    saved = opt.state_dict()
+    return {
+        "weights": [raw(p) for p in params],
+        "state": {g: {k: raw(v) if torch.is_tensor(v) else v for k, v in s.items()} for g, s in saved["state"].items()},
+        "rest": repr({k: v for k, v in saved.items() if k != "state"}),
+        "counters": (opt.skipped_steps, opt.last_grad_norm, opt.seed),
+    }
+
+
+def _assert_same_snapshot(before: dict[str, Any], after: dict[str, Any]) -> None:
+    assert before["rest"] == after["rest"] and before["counters"] == after["counters"]
+    assert all(torch.equal(a, b) for a, b in zip(before["weights"], after["weights"])), "a weight changed"
+    for g, state in before["state"].items():
+        for key, value in state.items():
+            other = after["state"][g][key]
+            assert torch.equal(value, other) if torch.is_tensor(value) else value == other, (
+                f"state[{g}][{key!r}] changed"
+            )
+
+
+def test_bad_values_are_refused_at_step_before_anything_changes():
+    model, params, tap, opt, oracle = build(max_norm=1.0)
+    first, second = batches(2)
+    lm_loss(model, first).backward()
+    oracle.step(tap.take(), max_norm=1.0)
+    opt.step()
+    lm_loss(model, second).backward()
+    for key, value, error, match in BAD_GROUP_VALUES:
+        good = opt.param_groups[0][key]
+        opt.param_groups[0][key] = value  # as a scheduler might
+        before = _offload_snapshot(opt, params)
+        with pytest.raises(error, match=match):
+            opt.step()
+        _assert_same_snapshot(before, _offload_snapshot(opt, params))
+        opt.param_groups[0][key] = good
+    oracle.step(tap.take(), max_norm=1.0)  # the window's grads are still there: a normal step
+    opt.step()
+    assert_matches_oracle(opt, params, oracle)
+
+
+LOADED_DAMAGE = [
+    *((f"param_groups {key}={value!r}", key, value, error, match) for key, value, error, match in BAD_GROUP_VALUES),
+    ("seed 'x'", "seed", "x", TypeError, "seed must be an integer"),
+    ("step nan", "step", float("nan"), ValueError, "a step count must be a whole number >= 0, got nan"),
+    ("param_steps -1", "param_steps", [-1], ValueError, "a step count must be a whole number >= 0, got -1"),
+    ("skipped_steps 1.5", "skipped_steps", 1.5, ValueError, "skipped_steps: a step count must be"),
+]
+
+
+@pytest.mark.parametrize(("what", "key", "value", "error", "match"), LOADED_DAMAGE, ids=lambda v: str(v)[:30])
+def test_bad_values_are_refused_at_load_before_anything_changes(what, key, value, error, match):
+    model, params, _, opt, _ = build()
+    lm_loss(model, batches(1)[0]).backward()
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    if what.startswith("param_groups"):
+        saved["param_groups"][0][key] = value
+    elif key in ("step", "param_steps"):
+        saved["state"][0][key] = value if key == "step" else value * len(saved["state"][0][key])
+    else:
+        saved[key] = value
+    for name in ("master", "exp_avg", "exp_avg_sq"):  # would be loaded, if the load went ahead
+        saved["state"][0][name].fill_(3.0)
+    before = _offload_snapshot(opt, params)
+    with pytest.raises(error, match=match):
+        opt.load_state_dict(saved)
+    _assert_same_snapshot(before, _offload_snapshot(opt, params))
+
+
+def test_a_tensor_lr_steps_as_the_float_lr():
+    runs = []
+    for lr in (1e-3, torch.tensor(1e-3, dtype=torch.float64)):  # float64 holds the float exactly
+        model = make_model(0)
+        opt = OffloadOptimizer(model.parameters(), **{**HYPER, "lr": lr}, bucket_size=BUCKET)
+        for tokens in batches(3):
+            lm_loss(model, tokens).backward()
+            opt.step()
+        runs.append(list(model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_hooks_run_as_with_torchs_optimizers():
+    model, _, _, opt, _ = build()
+    calls: list[Any] = []
+    opt.register_step_pre_hook(lambda *_: calls.append("step pre"))
+    opt.register_step_post_hook(lambda *_: calls.append("step post"))
+    opt.register_state_dict_pre_hook(lambda o: calls.append("state_dict pre"))
+    opt.register_state_dict_post_hook(lambda o, state_dict: {**state_dict, "note": "from a post hook"})
+
+    def load_pre_hook(o, state_dict):
+        calls.append("load pre")
+        state_dict["param_groups"] = [{**state_dict["param_groups"][0], "lr": 2e-3}]
+
+    opt.register_load_state_dict_pre_hook(load_pre_hook)
+    opt.register_load_state_dict_post_hook(lambda o: calls.append(("load post", o.param_groups[0]["lr"])))
+    lm_loss(model, batches(1)[0]).backward()
+    opt.step()
+    saved = opt.state_dict()
+    assert saved["note"] == "from a post hook"
+    opt.load_state_dict(saved)
+    assert calls == ["step pre", "step post", "state_dict pre", "load pre", ("load post", 2e-3)]
+    assert saved["param_groups"][0]["lr"] == HYPER["lr"]
+
+
+def test_repr_lists_param_groups_as_torch_does():
+    def groups(model):
+        return [
+            {"params": [model.fc1.weight]},
+            {"params": [model.fc2.weight], "weight_decay": 0.5, "betas": (0.8, 0.9)},
+        ]
+
+    ours = OffloadOptimizer(groups(make_model()), **HYPER)
+    theirs = torch.optim.AdamW(groups(make_model()), **HYPER)
+    assert len(printed_groups(ours)) == 2
+    for mine, torchs, group in zip(printed_groups(ours), printed_groups(theirs), ours.param_groups):
+        assert list(mine) == sorted(mine) and mine.keys() == group.keys() - {"params"}
+        assert {k: mine[k] for k in ("lr", "betas", "eps", "weight_decay")} == {
+            k: torchs[k] for k in ("lr", "betas", "eps", "weight_decay")
+        }
 
 
 def test_the_copy_path_used_on_gpus(monkeypatch: pytest.MonkeyPatch):
