@@ -111,11 +111,18 @@ class CPUAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for index, group in enumerate(self.param_groups):
-            self._step_group(index, group)
+        calls = [call for index, group in enumerate(self.param_groups) for call in self._kernel_calls(index, group)]
+        if len(calls) > 1:  # each call is all or nothing; checked together first, so is the whole step
+            for kwargs, _ in calls:
+                ops.adam_step(**kwargs, check_only=True)
+        for kwargs, states in calls:
+            ops.adam_step(**kwargs)
+            for state in states:  # counted once the kernel has run: a step that raised changes no count
+                state["step"] += 1
         return loss
 
-    def _step_group(self, index: int, group: dict[str, Any]) -> None:
+    def _kernel_calls(self, index: int, group: dict[str, Any]) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
+        """The group's ``ops.adam_step`` arguments, one call per step count, each with the states it advances."""
         if group.get("amsgrad") or group.get("capturable") or group.get("differentiable"):
             raise ValueError(
                 "CPUAdam supports none of amsgrad, capturable and differentiable; set them False in the param group"
@@ -134,13 +141,14 @@ class CPUAdam(torch.optim.Optimizer):
             offsets = dict(
                 zip(map(id, group["params"]), ops.back_to_back(group["params"], ops.group_counter_base(index)))
             )
+        calls = []
         for step, params in by_step.items():
             states = [self.state[p] for p in params]
-            ops.adam_step(
-                [_local(p) for p in params],
-                [_local(p.grad) for p in params],
-                [_local(s["exp_avg"]) for s in states],
-                [_local(s["exp_avg_sq"]) for s in states],
+            kwargs = dict(
+                params=[_local(p) for p in params],
+                grads=[_local(p.grad) for p in params],
+                exp_avgs=[_local(s["exp_avg"]) for s in states],
+                exp_avg_sqs=[_local(s["exp_avg_sq"]) for s in states],
                 step=step,
                 lr=float(group["lr"]),
                 beta1=float(beta1),
@@ -154,8 +162,8 @@ class CPUAdam(torch.optim.Optimizer):
                 seed=group["seed"],
                 counter_offsets=[offsets[id(p)] for p in params] if offsets else None,
             )
-            for state in states:  # counted once the kernel has run: a step that raised changes no count
-                state["step"] += 1
+            calls.append((kwargs, states))
+        return calls
 
     def _state_for(self, p: Tensor, group: dict[str, Any]) -> dict[str, Any]:
         state = self.state[p]

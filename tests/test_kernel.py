@@ -3,6 +3,7 @@ bound of a float64 Adam, bf16 rounding equal to torch's, and its errors."""
 
 from __future__ import annotations
 
+import re
 import threading
 import warnings
 
@@ -391,3 +392,129 @@ def test_a_failed_cpuadam_step_changes_no_count(monkeypatch: pytest.MonkeyPatch)
     with pytest.raises(RuntimeError, match="simulated"):
         optimizer.step()
     assert float(optimizer.state[w]["step"]) == 1
+
+
+# ---- the raw op is the boundary too: scalars, devices, memory ----
+
+OP_SCALARS = {
+    "lr": 1e-2,
+    "beta1": 0.9,
+    "beta2": 0.999,
+    "eps": 1e-8,
+    "weight_decay": 0.0,
+    "adamw_mode": True,
+    "bias_correction1": 0.5,
+    "bias_correction2": 0.25,
+    "grad_scale": 1.0,
+    "stochastic_rounding": False,
+    "seed": 0,
+    "step": 1,
+    "counter_offsets": [],
+}
+
+
+def raw_step(tensors: list[list[torch.Tensor]], outs: list[torch.Tensor] | None = None, **scalars) -> None:
+    """torch.ops.cpu_adam.adam_step_ as other code calls it, past the Python wrapper's checks."""
+    ops._ops()  # loaded and the fakes registered, as any caller of the package has them
+    torch.ops.cpu_adam.adam_step_(*tensors, outs or [], **{**OP_SCALARS, **scalars})
+
+
+def two_tuples() -> list[list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [[torch.randn(n, generator=g) for n in (8, 5)] for _ in range(4)]
+
+
+def snapshot(tensors: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    return [t.clone() for ts in tensors for t in ts]
+
+
+def assert_unchanged(tensors: list[list[torch.Tensor]], before: list[torch.Tensor]) -> None:
+    for t, b in zip((t for ts in tensors for t in ts), before):
+        assert_same_bits(t, b, "a refused step wrote")
+
+
+@pytest.mark.parametrize(
+    ("scalars", "message"),
+    [
+        ({"lr": float("nan")}, "lr must be finite and >= 0, got nan"),
+        ({"lr": -1e-3}, "lr must be finite and >= 0, got -0.001"),
+        ({"lr": float("inf")}, "lr must be finite and >= 0, got inf"),
+        ({"lr": 1e39}, "lr / bias_correction1 is 2e+39, beyond float32's range"),
+        ({"beta1": 1.0}, "beta1 must be in [0, 1), got 1"),
+        ({"beta1": -0.5}, "beta1 must be in [0, 1), got -0.5"),
+        ({"beta2": float("nan")}, "beta2 must be in [0, 1), got nan"),
+        ({"eps": -1e-8}, "eps must be finite and >= 0, got -1e-08"),
+        ({"eps": float("inf")}, "eps must be finite and >= 0, got inf"),
+        ({"eps": 1e300}, "eps is 1e+300, beyond float32's range"),
+        ({"weight_decay": -0.01}, "weight_decay must be finite and >= 0, got -0.01"),
+        ({"weight_decay": float("nan")}, "weight_decay must be finite and >= 0, got nan"),
+        ({"weight_decay": 4e40}, "1 - lr * weight_decay is -4e+38, beyond float32's range"),
+        ({"weight_decay": 1e39, "adamw_mode": False}, "weight_decay is 1e+39, beyond float32's range"),
+        ({"grad_scale": float("-inf")}, "grad_scale must be finite, got -inf"),
+        ({"grad_scale": 1e39}, "grad_scale is 1e+39, beyond float32's range"),
+        ({"bias_correction1": 0.0}, "bias_correction1 must be finite and > 0, got 0"),
+        ({"bias_correction1": float("nan")}, "bias_correction1 must be finite and > 0, got nan"),
+        ({"bias_correction2": -0.5}, "bias_correction2 must be finite and > 0, got -0.5"),
+        ({"bias_correction2": 1e-300}, "1 / sqrt(bias_correction2) is 1e+150, beyond float32's range"),
+        ({"step": 0}, "step counts from 1 (the step being taken), got 0"),
+    ],
+)
+def test_bad_scalars_are_refused_by_name_before_anything_is_written(scalars: dict, message: str) -> None:
+    tensors = two_tuples()
+    before = snapshot(tensors)
+    with pytest.raises(ValueError, match=re.escape(f"cpu_adam: {message}")):
+        raw_step(tensors, **scalars)
+    assert_unchanged(tensors, before)
+
+
+def test_scalars_at_the_ends_of_their_ranges_are_accepted() -> None:
+    edges = {"lr": 0.0, "beta1": 0.0, "beta2": 0.0, "eps": 0.0, "weight_decay": 0.0, "bias_correction1": 1.0}
+    params, grads, _, _ = two_tuples()
+    moments = [[torch.zeros_like(p) for p in params] for _ in range(2)]
+    before = [p.clone() for p in params]
+    raw_step([params, grads, *moments], **edges, grad_scale=-2.0)
+    # lr = 0 leaves the params; with beta1 = beta2 = 0 the moments become the scaled grad and its square.
+    for p, g, m, v, b in zip(params, grads, *moments, before):
+        assert torch.equal(p, b)
+        assert torch.equal(m, g * -2.0) and torch.equal(v, (g * -2.0) * (g * -2.0))
+
+
+@pytest.mark.parametrize("role", range(4))
+def test_a_meta_tensor_among_cpu_tensors_is_refused(role: int) -> None:
+    tensors = two_tuples()
+    before = snapshot(tensors)
+    cpu_tensor, tensors[role][1] = tensors[role][1], torch.empty(5, device="meta")
+    names = ("params", "grads", "exp_avgs", "exp_avg_sqs")
+    with pytest.raises(RuntimeError, match=rf"on cpu but {names[role]}\[1\] is on meta; every tensor of a step"):
+        raw_step(tensors)
+    tensors[role][1] = cpu_tensor
+    assert_unchanged(tensors, before)
+
+
+def test_meta_and_fake_tensors_trace_without_effect() -> None:
+    meta = [[torch.empty(8, device="meta")] for _ in range(4)]
+    raw_step(meta)  # model init on the meta device, torch.compile's tracing: no-ops
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def compiled_step(p, g, m, v):
+        ops.adam_step([p], [g], [m], [v], step=1, **HYPER)
+
+    p, g, m, v = (torch.ones(8) for _ in range(4))
+    compiled_step(p, g, m, v)
+    assert (p < 1).all() and (m > 0).all()
+
+
+def test_sparse_tensors_reaching_the_op_are_refused_by_name() -> None:
+    tensors = two_tuples()
+    before = snapshot(tensors)
+    dense, tensors[1][0] = tensors[1][0], tensors[1][0].to_sparse()
+    with pytest.raises(RuntimeError, match=r"cpu_adam: grads\[0\] is a Sparse tensor on cpu; the kernel updates dense"):
+        raw_step(tensors)
+    tensors[1][0] = dense
+    assert_unchanged(tensors, before)
+
+
+def test_empty_lists_reaching_the_op_are_a_no_op_with_checked_scalars() -> None:
+    raw_step([[], [], [], []])
+    with pytest.raises(ValueError, match="lr must be finite"):
+        raw_step([[], [], [], []], lr=float("nan"))
