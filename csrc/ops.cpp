@@ -19,6 +19,7 @@
 
 #include "denormals.h"
 #include "dispatch.h"
+#include "memory_overlap.h"
 
 namespace cpu_adam {
 namespace {
@@ -80,40 +81,47 @@ constexpr int kRoles = 5;
 constexpr const char* kRoleNames[kRoles] = {"params", "grads", "exp_avgs", "exp_avg_sqs", "bf16_outs"};
 constexpr int kGrads = 1, kOuts = 4;
 
-struct Span {
-  uintptr_t begin, end;
+struct Piece {
+  Extent extent;
   size_t tuple;
   int role;
 
   bool written() const { return role != kGrads; }
 };
 
-Span span_of(const Tensor& t, size_t tuple, int role) {
-  int64_t last = 0;
-  for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * std::abs(t.stride(d));
-  const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
-  return {begin, begin + static_cast<uintptr_t>((last + 1) * t.element_size()), tuple, role};
+Extent extent_of(const Tensor& t) {
+  std::vector<Dim> dims;
+  for (int64_t d = 0; d < t.dim(); ++d) dims.push_back({t.stride(d) * t.element_size(), t.size(d)});
+  return make_extent(reinterpret_cast<int64_t>(t.data_ptr()), t.element_size(), dims);
 }
 
-bool is_grad_reused_as_output(const Span& a, const Span& b) {
+bool is_grad_reused_as_output(const Piece& a, const Piece& b) {
   const bool pair = (a.role == kGrads && b.role == kOuts) || (a.role == kOuts && b.role == kGrads);
-  return pair && a.tuple == b.tuple && a.begin == b.begin && a.end == b.end;
+  return pair && a.tuple == b.tuple && a.extent.base == b.extent.base && a.extent.end() == b.extent.end();
 }
 
-// Overlapping memory between tensors the kernel writes would race or corrupt.
-// The one overlap allowed: a bf16 output that is exactly its own tuple's grad.
-void check_no_aliasing(std::vector<Span> spans) {
-  std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return a.begin < b.begin; });
-  std::vector<const Span*> open;
-  for (const Span& s : spans) {
-    open.erase(std::remove_if(open.begin(), open.end(), [&](const Span* o) { return o->end <= s.begin; }), open.end());
-    for (const Span* o : open) {
+// Overlapping memory between tensors the kernel writes would race or corrupt. Views of one
+// buffer that share no byte (slices, interleaved or column-block views) are fine; the one
+// overlap allowed is a bf16 output that is exactly its own tuple's grad.
+void check_no_aliasing(std::vector<Piece> pieces) {
+  std::sort(pieces.begin(), pieces.end(), [](const Piece& a, const Piece& b) { return a.extent.base < b.extent.base; });
+  std::vector<const Piece*> open;
+  for (const Piece& s : pieces) {
+    open.erase(
+        std::remove_if(open.begin(), open.end(), [&](const Piece* o) { return o->extent.end() <= s.extent.base; }),
+        open.end());
+    for (const Piece* o : open) {
       if (!(o->written() || s.written()) || is_grad_reused_as_output(*o, s)) continue;
-      TORCH_CHECK(false, "cpu_adam: ", kRoleNames[o->role], "[", text(o->tuple), "] and ", kRoleNames[s.role], "[",
-                  text(s.tuple),
+      const Overlap found = overlap(o->extent, s.extent);
+      TORCH_CHECK(found != Overlap::some, "cpu_adam: ", kRoleNames[o->role], "[", text(o->tuple), "] and ",
+                  kRoleNames[s.role], "[", text(s.tuple),
                   "] share memory; every param, exp_avg, exp_avg_sq and output needs its own storage "
                   "(only a bf16 output may be the very same tensor as its own grad). Pass each tensor "
                   "once, and .clone() tensors that are views of each other");
+      TORCH_CHECK(found != Overlap::unknown, "cpu_adam: ", kRoleNames[o->role], "[", text(o->tuple), "] and ",
+                  kRoleNames[s.role], "[", text(s.tuple),
+                  "] are views of one buffer whose strides are too intricate to prove they share no memory; "
+                  ".clone() one of them");
     }
     open.push_back(&s);
   }
@@ -154,7 +162,7 @@ void check_tensors(const TensorLists& lists, const std::vector<int64_t>& counter
     TORCH_CHECK(offset >= 0 && offset % 2 == 0, "cpu_adam: counter offsets must be even and >= 0, got ", text(offset),
                 "; stochastic rounding hashes pairs of elements");
   }
-  std::vector<Span> spans;
+  std::vector<Piece> pieces;
   for (size_t i = 0; i < n; ++i) {
     const Tensor& param = (*params)[i];
     for (int r = 0; r < kRoles; ++r) {
@@ -165,7 +173,7 @@ void check_tensors(const TensorLists& lists, const std::vector<int64_t>& counter
       TORCH_CHECK(r == kGrads || elements_have_own_memory(t), "cpu_adam: ", kRoleNames[r], "[", text(i),
                   "] overlaps itself (an expanded or overlapping as_strided view), so its elements would take "
                   "each other's updates; pass a tensor whose elements each have their own memory (.clone() it)");
-      if (t.numel() > 0) spans.push_back(span_of(t, i, r));
+      if (t.numel() > 0) pieces.push_back({extent_of(t), i, r});
     }
     dtype_of(param, "params", i);
     dtype_of((*grads)[i], "grads", i);
@@ -178,7 +186,7 @@ void check_tensors(const TensorLists& lists, const std::vector<int64_t>& counter
                   (*outs)[i].scalar_type(), "; the output copy is always bfloat16");
     }
   }
-  check_no_aliasing(std::move(spans));
+  check_no_aliasing(std::move(pieces));
 }
 
 struct Tuple {

@@ -3,6 +3,7 @@ bound of a float64 Adam, bf16 rounding equal to torch's, and its errors."""
 
 from __future__ import annotations
 
+import random
 import re
 import threading
 import warnings
@@ -518,3 +519,174 @@ def test_empty_lists_reaching_the_op_are_a_no_op_with_checked_scalars() -> None:
     raw_step([[], [], [], []])
     with pytest.raises(ValueError, match="lr must be finite"):
         raw_step([[], [], [], []], lr=float("nan"))
+
+
+ROLES = ("param", "grad", "exp_avg", "exp_avg_sq", "out")
+
+
+def fresh_tuples(shapes: list[tuple[int, ...]]) -> list[list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [
+        [torch.randn(s, generator=g) for s in shapes],
+        [torch.randn(s, generator=g) for s in shapes],
+        [torch.randn(s, generator=g) * 0.1 for s in shapes],
+        [torch.randn(s, generator=g).square() for s in shapes],
+        [torch.zeros(s, dtype=torch.bfloat16) for s in shapes],
+    ]
+
+
+def with_views(views: tuple[torch.Tensor, ...], places: tuple[tuple[str, int], ...]) -> list[list[torch.Tensor]]:
+    """Two tuples of fresh tensors, with each view in its (role, tuple) place holding that place's values."""
+    shapes = [(3,), (3,)]
+    for view, (_, i) in zip(views, places):
+        shapes[i] = view.shape
+    tensors = fresh_tuples(shapes)
+    for view, (role, i) in zip(views, places):
+        view.copy_(tensors[ROLES.index(role)][i])
+        tensors[ROLES.index(role)][i] = view
+    return tensors
+
+
+# (name, views of one float32 buffer of 256 elements, the (role, tuple) place of each)
+DISJOINT_VIEWS = [
+    ("interleaved params", lambda b: (b[0::2], b[1::2]), (("param", 0), ("param", 1))),
+    ("a param interleaved with its exp_avg", lambda b: (b[0::2], b[1::2]), (("param", 0), ("exp_avg", 0))),
+    ("a grad interleaved with its param", lambda b: (b[1::2], b[0::2]), (("grad", 0), ("param", 0))),
+    (
+        "interleaved columns",
+        lambda b: (b.view(8, 32)[:, 0::2], b.view(8, 32)[:, 1::2]),
+        (("exp_avg", 0), ("exp_avg_sq", 1)),
+    ),
+    ("column blocks", lambda b: (b.view(16, 16)[:, :5], b.view(16, 16)[:, 5:]), (("param", 0), ("param", 1))),
+    ("strides 3 and 5", lambda b: (b[0:10:3], b[2:13:5]), (("param", 0), ("exp_avg", 1))),
+    (
+        "bf16 outputs between float32 params",
+        lambda b: (b[0::2], b.view(torch.bfloat16)[2::4]),
+        (("param", 0), ("out", 0)),
+    ),
+]
+
+OVERLAPPING_VIEWS = [
+    ("shifted by one stride", lambda b: (b[0:16:2], b[2:18:2]), (("param", 0), ("param", 1))),
+    ("strides 2 and 3 from one start", lambda b: (b[0::2], b[0::3]), (("param", 0), ("exp_avg_sq", 1))),
+    (
+        "column blocks sharing a column",
+        lambda b: (b.view(16, 16)[:, :6], b.view(16, 16)[:, 5:]),
+        (("param", 0), ("param", 1)),
+    ),
+    (
+        "a bf16 output over 2 bytes of a param",
+        lambda b: (b[0:8], b.view(torch.bfloat16)[15:23]),
+        (("param", 0), ("out", 0)),
+    ),
+    ("one view as a param and its exp_avg", lambda b: (b[0::2], b[0::2]), (("param", 0), ("exp_avg", 0))),
+    ("a grad under another tuple's param", lambda b: (b[0:8], b[4:12]), (("grad", 0), ("param", 1))),
+]
+
+
+def step_two_tuples(tensors: list[list[torch.Tensor]]) -> None:
+    raw_step(tensors[:4], tensors[4], stochastic_rounding=True, counter_offsets=[0, 1 << 20])
+
+
+@pytest.mark.parametrize(("make_views", "places"), [c[1:] for c in DISJOINT_VIEWS], ids=[c[0] for c in DISJOINT_VIEWS])
+def test_disjoint_views_of_one_buffer_step_as_separate_tensors(make_views, places) -> None:
+    buffer = torch.randn(256, generator=torch.Generator().manual_seed(0))
+    tensors = with_views(make_views(buffer), places)
+    separate = [[t.clone(memory_format=torch.contiguous_format) for t in ts] for ts in tensors]
+    expected_buffer = buffer.clone()
+    step_two_tuples(separate)
+    for view, (role, i) in zip(make_views(expected_buffer), places):
+        if role != "grad":
+            view.copy_(separate[ROLES.index(role)][i])
+
+    step_two_tuples(tensors)
+    for role, ts, expected in zip(ROLES, tensors, separate):
+        for i, (t, e) in enumerate(zip(ts, expected)):
+            assert_same_bits(t.contiguous(), e, f"{role}[{i}]")
+    assert_same_bits(buffer, expected_buffer, "the buffer, gaps between the views included")
+
+
+@pytest.mark.parametrize(
+    ("make_views", "places"), [c[1:] for c in OVERLAPPING_VIEWS], ids=[c[0] for c in OVERLAPPING_VIEWS]
+)
+def test_overlapping_views_are_refused_and_nothing_is_written(make_views, places) -> None:
+    buffer = torch.randn(256, generator=torch.Generator().manual_seed(0))
+    tensors = with_views(make_views(buffer), places)
+    before = [[t.clone() for t in ts] for ts in tensors]
+    buffer_before = buffer.clone()
+    with pytest.raises(RuntimeError, match="share memory"):
+        step_two_tuples(tensors)
+    for ts, bs in zip(tensors, before):
+        for t, b in zip(ts, bs):
+            assert_same_bits(t, b, "a refused step wrote")
+    assert_same_bits(buffer, buffer_before, "a refused step wrote into the buffer")
+
+
+def random_view(buffer: torch.Tensor, rng: random.Random) -> torch.Tensor | None:
+    """A float32 or bfloat16 as_strided view of the byte buffer whose elements each have their own memory."""
+    items = buffer.view(rng.choice([torch.float32, torch.bfloat16]))
+    shape = [rng.randint(1, 7) for _ in range(rng.randint(0, 3))]
+    strides = [rng.choice([1, 2, 3, 4, 5, 6, 8, 9, 12, 16, 24, 40]) for _ in shape]
+    span = 1 + sum((n - 1) * s for n, s in zip(shape, strides))
+    dims = sorted((s, n) for s, n in zip(strides, shape) if n > 1)
+    below = 0  # what the smaller dims span
+    for s, n in dims:
+        if s <= below or span > items.numel():
+            return None
+        below += (n - 1) * s
+    return items.as_strided(shape, strides, rng.randint(0, items.numel() - span))
+
+
+def byte_addresses(t: torch.Tensor) -> set[int]:
+    offsets = torch.zeros((), dtype=torch.int64)
+    for n, s in zip(t.shape, t.stride()):
+        offsets = offsets.unsqueeze(-1) + torch.arange(n) * s
+    starts = t.data_ptr() + offsets.flatten() * t.element_size()
+    return {int(a) + k for a in starts for k in range(t.element_size())}
+
+
+def test_the_overlap_check_agrees_with_the_address_sets() -> None:
+    # Random strided views, the second often with the first's strides: refused exactly when they share a byte.
+    rng = random.Random(0)
+    outcomes = {"share bytes": 0, "interleave": 0, "apart": 0}
+    while min(outcomes.values()) < 200:
+        buffer = torch.zeros(256, dtype=torch.uint8)
+        a, b = random_view(buffer, rng), random_view(buffer, rng)
+        if a is None or b is None:
+            continue
+        if rng.random() < 0.5 and a.dim() > 0:  # the first's layout elsewhere in the buffer
+            items = buffer.view(a.dtype)
+            span = 1 + sum((n - 1) * s for n, s in zip(a.shape, a.stride()))
+            b = items.as_strided(a.shape, a.stride(), rng.randint(0, items.numel() - span))
+        addresses = byte_addresses(a), byte_addresses(b)
+        shares = bool(addresses[0] & addresses[1])
+        moments = [[torch.zeros(a.shape), torch.zeros(b.shape)] for _ in range(3)]
+        try:
+            torch.ops.cpu_adam.check_adam_step([a, b], *moments, [], **OP_SCALARS)
+            refused = False
+        except RuntimeError as error:
+            assert "share memory" in str(error)
+            refused = True
+        layouts = (
+            f"{tuple(a.shape)}, {a.stride()} at {a.data_ptr()} and {tuple(b.shape)}, {b.stride()} at {b.data_ptr()}"
+        )
+        assert refused == shares, f"{layouts}: {'refused' if refused else 'accepted'}"
+        spans_meet = max(map(min, addresses)) <= min(map(max, addresses))
+        outcomes["share bytes" if shares else "interleave" if spans_meet else "apart"] += 1
+
+
+@pytest.mark.parametrize("rows", [1024, 16384])
+def test_views_with_unrelated_strides_are_told_apart_or_refused_as_too_intricate(rows: int) -> None:
+    # Rows of 4 from a (rows, 8) view and rows of 4 from a (rows / 2, 16) view of one buffer never
+    # meet, but only row by row can tell: past a fixed amount of that work the step is refused.
+    buffer = torch.randn(rows * 8, generator=torch.Generator().manual_seed(0))
+    views = buffer.view(rows, 8)[:, :4], buffer.view(rows // 2, 16)[:, 4:8]
+    tensors = with_views(views, (("param", 0), ("param", 1)))
+    before = buffer.clone()
+    if rows == 1024:
+        step_two_tuples(tensors)
+        assert not torch.equal(buffer, before)
+        return
+    with pytest.raises(RuntimeError, match="too intricate to prove they share no memory"):
+        step_two_tuples(tensors)
+    assert_same_bits(buffer, before, "a refused step wrote into the buffer")
