@@ -26,6 +26,7 @@ SOURCES = (
     "ops.cpp",
     "dispatch.cpp",
     "cpu_features.cpp",
+    "memory_overlap.cpp",
     "kernels/scalar.cpp",
     "kernels/avx2.cpp",
     "kernels/avx512.cpp",

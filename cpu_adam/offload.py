@@ -346,10 +346,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
             if self.max_grad_norm is not None:  # of the grads as the caller left them
                 scale *= min(1.0, self.max_grad_norm / (norm * factor + 1e-6))
             scale /= self.world_size  # the collectives summed the ranks' grads: this makes it their mean
+            options = zip(self.param_groups, self._groups)
+            hypers = [None if group is None else self._hyper(o, scale) for o, group in options]
+            self._check_scalars(hypers)
             with self._dev.side_stream():  # uploads wait for what the compute stream still does with the weights
-                for g, (options, group) in enumerate(zip(self.param_groups, self._groups)):
+                for g, (group, hyper) in enumerate(zip(self._groups, hypers)):
                     if group is not None:
-                        self._step_group(g, options, group, scale)
+                        self._step_group(g, group, hyper)
                 event = self._dev.record()
             self._dev.compute_waits(event)
         self._grads.reset()
@@ -412,9 +415,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         sq = sum(float(x.sum()) for x in self._grads.window_sq() if x is not None)
         return math.sqrt(sq) / self.world_size
 
-    def _step_group(self, g: int, options: dict[str, Any], group: GroupBuffers, scale: float) -> None:
+    def _hyper(self, options: dict[str, Any], scale: float) -> dict[str, Any]:
         beta1, beta2 = options["betas"]
-        hyper = dict(
+        return dict(
             lr=float(options["lr"]),
             beta1=float(beta1),
             beta2=float(beta2),
@@ -423,13 +426,21 @@ class OffloadOptimizer(torch.optim.Optimizer):
             adamw_mode=bool(options["adamw_mode"]),
             grad_scale=scale,
             stochastic_rounding=self.stochastic_rounding,
+            seed=self.seed,
         )
+
+    def _check_scalars(self, hypers: list[dict[str, Any] | None]) -> None:
+        """Every group's kernel scalars, before any group is stepped: a step is all or nothing."""
+        for group, hyper in zip(self._groups, hypers):
+            if group is not None:
+                for step in {n + 1 for n, got in zip(group.steps, group.got) if got}:
+                    adam_step([], [], [], [], step=step, check_only=True, **hyper)
+
+    def _step_group(self, g: int, group: GroupBuffers, hyper: dict[str, Any]) -> None:
         # Chunk by chunk (whole buckets): each chunk's uploads overlap the next chunk's compute.
         for first, last in _chunks(group, KERNEL_CHUNK):
             for step, tensors in self._kernel_lists(g, group, first, last).items():
-                adam_step(
-                    *tensors[:4], bf16_outs=tensors[4], counter_offsets=tensors[5], step=step, seed=self.seed, **hyper
-                )
+                adam_step(*tensors[:4], bf16_outs=tensors[4], counter_offsets=tensors[5], step=step, **hyper)
             in_place = self._dev.host_addressable and self._comm is None  # the kernel wrote into the params
             for b in range(first, last):
                 self._transfers.up(group, b, group.got, in_place=in_place)

@@ -32,6 +32,7 @@ __all__ = [
 
 
 _fakes_registered = False
+ROLES = ("params", "grads", "exp_avgs", "exp_avg_sqs", "bf16_outs")
 
 
 def _ops():
@@ -44,13 +45,23 @@ def _ops():
 
 
 def _register_fakes() -> None:
-    # The ops only mutate their inputs, so tracing (torch.compile) needs no
-    # shapes from them: the fake kernels do nothing.
-    def nothing(*args) -> None:
-        return None
+    # The ops only mutate their inputs, so tracing (torch.compile) needs no shapes from them.
+    # The fakes also run for a meta tensor among CPU tensors, which must not pass as a step.
+    def on_one_device(params, grads, exp_avgs, exp_avg_sqs, bf16_outs, *scalars) -> None:
+        _check_one_device(params, grads, exp_avgs, exp_avg_sqs, bf16_outs)
 
-    for name in ("cpu_adam::adam_step_", "cpu_adam::bandwidth_probe_"):
-        torch.library.register_fake(name)(nothing)
+    for name in ("cpu_adam::adam_step_", "cpu_adam::check_adam_step", "cpu_adam::bandwidth_probe_"):
+        torch.library.register_fake(name)(on_one_device)
+
+
+def _check_one_device(*lists: Sequence[Tensor]) -> None:
+    named = [(f"{role}[{i}]", t) for role, ts in zip(ROLES, lists) for i, t in enumerate(ts)]
+    for name, t in named[1:]:
+        if t.device != named[0][1].device:
+            raise RuntimeError(
+                f"cpu_adam: {named[0][0]} is on {named[0][1].device} but {name} is on {t.device}; every tensor "
+                "of a step must be on one device (the CPU)"
+            )
 
 
 def _check_dense_cpu(tensors: Sequence[Tensor], role: str) -> None:
@@ -74,13 +85,7 @@ def _check_dense_cpu(tensors: Sequence[Tensor], role: str) -> None:
 
 
 def _check_all(params, grads, exp_avgs, exp_avg_sqs, bf16_outs) -> None:
-    for tensors, role in (
-        (params, "params"),
-        (grads, "grads"),
-        (exp_avgs, "exp_avgs"),
-        (exp_avg_sqs, "exp_avg_sqs"),
-        (bf16_outs, "bf16_outs"),
-    ):
+    for tensors, role in zip((params, grads, exp_avgs, exp_avg_sqs, bf16_outs), ROLES):
         _check_dense_cpu(tensors, role)
 
 
@@ -103,6 +108,7 @@ def adam_step(
     stochastic_rounding: bool = False,
     seed: int = 0,
     counter_offsets: Sequence[int] | None = None,
+    check_only: bool = False,
 ) -> None:
     """One fused Adam/AdamW step over every tensor in the lists, in place.
 
@@ -116,24 +122,24 @@ def adam_step(
     counter space, so a tensor stepped in other calls or lists, or split
     otherwise, gets the same bits; by default the list is that space, its
     tensors back to back.
+
+    Every argument is checked before anything is written: the step updates every
+    tensor or raises and leaves them all as they were. ``check_only`` runs those
+    checks and writes nothing, for callers that step in several calls and check
+    them all first.
     """
-    if step < 1:
-        raise ValueError(f"cpu_adam: step counts from 1 (the step being taken), got {step}")
     # Lists once: generators would be used up by the checks.
     params, grads, exp_avgs, exp_avg_sqs = list(params), list(grads), list(exp_avgs), list(exp_avg_sqs)
     outs = list(bf16_outs) if bf16_outs is not None else []
     _check_all(params, grads, exp_avgs, exp_avg_sqs, outs)
-    if not (params or grads or exp_avgs or exp_avg_sqs or outs):
-        return  # nothing to step (the dispatcher needs a tensor to route the op)
-    if not torch.compiler.is_compiling():  # a system call would break a compiled graph
+    if params and not check_only and not torch.compiler.is_compiling():  # a system call would break a graph
         judge_threads_once()
-    bias_correction1 = 1.0 - beta1**step if bias_correction else 1.0
-    bias_correction2 = 1.0 - beta2**step if bias_correction else 1.0
     if not stochastic_rounding:
         counter_offsets = []  # no random bits drawn
     elif counter_offsets is None:
         counter_offsets = back_to_back(params)
-    _ops().adam_step_(
+    op = _ops().check_adam_step if check_only else _ops().adam_step_
+    op(
         params,
         grads,
         exp_avgs,
@@ -145,14 +151,22 @@ def adam_step(
         eps,
         weight_decay,
         adamw_mode,
-        bias_correction1,
-        bias_correction2,
+        _bias_correction(beta1, step) if bias_correction else 1.0,
+        _bias_correction(beta2, step) if bias_correction else 1.0,
         grad_scale,
         stochastic_rounding,
         seed,
         step,
         list(counter_offsets),
     )
+
+
+def _bias_correction(beta: float, step: int) -> float:
+    """1 - beta**step, or nan where that cannot be taken: the op then names the argument that is wrong."""
+    try:
+        return 1.0 - math.pow(beta, step)
+    except (ArithmeticError, TypeError, ValueError):
+        return math.nan
 
 
 def back_to_back(tensors: Sequence[Tensor], start: int = 0) -> list[int]:
@@ -266,17 +280,33 @@ def adam_step_groups(owner: str, groups: Sequence[GroupStep]) -> None:
             [offset for group in groups for offset in group.counter_offsets or [0] * len(group.params)],
         )
         return
-    for group in groups:
-        _step_group(group)
+    _step_groups(groups)
 
 
-def _step_group(group: GroupStep) -> None:
+def _step_groups(groups: Sequence[GroupStep]) -> None:
+    calls = [(group, indices, kwargs) for group in groups for indices, kwargs in _kernel_calls(group)]
+    if len(calls) > 1:  # each call is all or nothing; checked together first, so is the whole step
+        for _, _, kwargs in calls:
+            adam_step(**kwargs, check_only=True)
+    for group, indices, kwargs in calls:
+        adam_step(**kwargs)
+        for i in indices:  # counted once the kernel has run: a step that raised changes no count
+            group.steps[i] += 1
+
+
+def _kernel_calls(group: GroupStep) -> list[tuple[list[int], dict[str, Any]]]:
+    """The group's ``adam_step`` arguments, one call per step count, with the tensors' indices."""
     by_count: dict[int, list[int]] = defaultdict(list)
     for i, count in enumerate(group.steps):
         by_count[int(count.item()) + 1].append(i)  # the step being taken
+    calls = []
     for step, indices in by_count.items():
-        adam_step(
-            *([tensors[i] for i in indices] for tensors in group[:4]),
+        params, grads, exp_avgs, exp_avg_sqs = ([tensors[i] for i in indices] for tensors in group[:4])
+        kwargs = dict(
+            params=params,
+            grads=grads,
+            exp_avgs=exp_avgs,
+            exp_avg_sqs=exp_avg_sqs,
             step=step,
             lr=float(group.lr),
             beta1=group.beta1,
@@ -290,8 +320,8 @@ def _step_group(group: GroupStep) -> None:
             seed=group.seed,
             counter_offsets=[group.counter_offsets[i] for i in indices] if group.counter_offsets else None,
         )
-        for i in indices:  # counted once the kernel has run: a step that raised changes no count
-            group.steps[i] += 1
+        calls.append((indices, kwargs))
+    return calls
 
 
 @torch.library.custom_op("cpu_adam_py::adam_step_groups_", mutates_args=("params", "exp_avgs", "exp_avg_sqs", "steps"))
@@ -340,8 +370,7 @@ def _adam_step_groups_op(
         check_hyper_parameters(
             f"{owner} param group {g} (compiled step)", group.lr, betas, group.eps, group.weight_decay
         )
-    for group in groups:
-        _step_group(group)
+    _step_groups(groups)
 
 
 @_adam_step_groups_op.register_fake

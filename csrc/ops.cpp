@@ -7,7 +7,10 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <limits>
 #include <mutex>
 #include <set>
@@ -16,6 +19,7 @@
 
 #include "denormals.h"
 #include "dispatch.h"
+#include "memory_overlap.h"
 
 namespace cpu_adam {
 namespace {
@@ -36,6 +40,16 @@ static_assert(kBlock % 2 == 0, "stochastic rounding hashes pairs of elements");
 template <class T>
 std::string text(T value) {
   return std::to_string(value);
+}
+
+// Doubles as Python prints them, in the fewest digits that read back the same value
+// (std::to_string's six fixed decimals print 1e-8 as 0.000000).
+std::string text(double value) {
+  char digits[32];
+  for (int precision = 1;; ++precision) {
+    std::snprintf(digits, sizeof digits, "%.*g", precision, value);
+    if (precision == 17 || std::strtod(digits, nullptr) == value) return digits;
+  }
 }
 
 DType dtype_of(const Tensor& t, const char* role, size_t i) {
@@ -62,41 +76,117 @@ bool elements_have_own_memory(const Tensor& t) {
   return true;
 }
 
-struct Span {
-  uintptr_t begin, end;
+// The tensors of one step: lists in schema order, with the names errors give them.
+constexpr int kRoles = 5;
+constexpr const char* kRoleNames[kRoles] = {"params", "grads", "exp_avgs", "exp_avg_sqs", "bf16_outs"};
+constexpr int kGrads = 1, kOuts = 4;
+
+struct Piece {
+  Extent extent;
   size_t tuple;
-  const char* role;
-  bool written;
+  int role;
+
+  bool written() const { return role != kGrads; }
 };
 
-Span span_of(const Tensor& t, size_t tuple, const char* role, bool written) {
-  int64_t last = 0;
-  for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * std::abs(t.stride(d));
-  const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
-  return {begin, begin + static_cast<uintptr_t>((last + 1) * t.element_size()), tuple, role, written};
+Extent extent_of(const Tensor& t) {
+  std::vector<Dim> dims;
+  for (int64_t d = 0; d < t.dim(); ++d) dims.push_back({t.stride(d) * t.element_size(), t.size(d)});
+  return make_extent(reinterpret_cast<int64_t>(t.data_ptr()), t.element_size(), dims);
 }
 
-bool is_grad_reused_as_output(const Span& a, const Span& b) {
-  const bool pair = (a.role[0] == 'g' && b.role[0] == 'b') || (a.role[0] == 'b' && b.role[0] == 'g');
-  return pair && a.tuple == b.tuple && a.begin == b.begin && a.end == b.end;
+bool is_grad_reused_as_output(const Piece& a, const Piece& b) {
+  const bool pair = (a.role == kGrads && b.role == kOuts) || (a.role == kOuts && b.role == kGrads);
+  return pair && a.tuple == b.tuple && a.extent.base == b.extent.base && a.extent.end() == b.extent.end();
 }
 
-// Overlapping memory between tensors the kernel writes would race or corrupt.
-// The one overlap allowed: a bf16 output that is exactly its own tuple's grad.
-void check_no_aliasing(std::vector<Span> spans) {
-  std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return a.begin < b.begin; });
-  std::vector<const Span*> open;
-  for (const Span& s : spans) {
-    open.erase(std::remove_if(open.begin(), open.end(), [&](const Span* o) { return o->end <= s.begin; }), open.end());
-    for (const Span* o : open) {
-      if (!(o->written || s.written) || is_grad_reused_as_output(*o, s)) continue;
-      TORCH_CHECK(false, "cpu_adam: ", o->role, "[", text(o->tuple), "] and ", s.role, "[", text(s.tuple),
+// Overlapping memory between tensors the kernel writes would race or corrupt. Views of one
+// buffer that share no byte (slices, interleaved or column-block views) are fine; the one
+// overlap allowed is a bf16 output that is exactly its own tuple's grad.
+void check_no_aliasing(std::vector<Piece> pieces) {
+  std::sort(pieces.begin(), pieces.end(), [](const Piece& a, const Piece& b) { return a.extent.base < b.extent.base; });
+  std::vector<const Piece*> open;
+  for (const Piece& s : pieces) {
+    open.erase(
+        std::remove_if(open.begin(), open.end(), [&](const Piece* o) { return o->extent.end() <= s.extent.base; }),
+        open.end());
+    for (const Piece* o : open) {
+      if (!(o->written() || s.written()) || is_grad_reused_as_output(*o, s)) continue;
+      const Overlap found = overlap(o->extent, s.extent);
+      TORCH_CHECK(found != Overlap::some, "cpu_adam: ", kRoleNames[o->role], "[", text(o->tuple), "] and ",
+                  kRoleNames[s.role], "[", text(s.tuple),
                   "] share memory; every param, exp_avg, exp_avg_sq and output needs its own storage "
                   "(only a bf16 output may be the very same tensor as its own grad). Pass each tensor "
                   "once, and .clone() tensors that are views of each other");
+      TORCH_CHECK(found != Overlap::unknown, "cpu_adam: ", kRoleNames[o->role], "[", text(o->tuple), "] and ",
+                  kRoleNames[s.role], "[", text(s.tuple),
+                  "] are views of one buffer whose strides are too intricate to prove they share no memory; "
+                  ".clone() one of them");
     }
     open.push_back(&s);
   }
+}
+
+using TensorLists = std::array<const std::vector<Tensor>*, kRoles>;
+
+// The dispatcher picks a kernel by the tensors' devices and layouts: dense CPU tensors come to
+// the CPU kernels, meta ones to the fakes of cpu_adam/ops.py, and all others (sparse, CUDA, ...)
+// to the same kernels registered as the fallback, which is also where calls without tensors go.
+void check_dense_cpu(const TensorLists& lists) {
+  for (int r = 0; r < kRoles; ++r) {
+    for (size_t i = 0; i < lists[r]->size(); ++i) {
+      const Tensor& t = (*lists[r])[i];
+      TORCH_CHECK(t.layout() == at::kStrided && t.device().is_cpu(), "cpu_adam: ", kRoleNames[r], "[", text(i),
+                  "] is a ", t.layout(), " tensor on ", t.device().str(),
+                  "; the kernel updates dense CPU tensors (cpu_adam.OffloadOptimizer trains parameters that live "
+                  "on an accelerator)");
+    }
+  }
+}
+
+// Everything the kernel needs of the tensors, checked before anything is written.
+void check_tensors(const TensorLists& lists, const std::vector<int64_t>& counter_offsets) {
+  check_dense_cpu(lists);
+  const auto& [params, grads, exp_avgs, exp_avg_sqs, outs] = lists;
+  const size_t n = params->size();
+  TORCH_CHECK(grads->size() == n && exp_avgs->size() == n && exp_avg_sqs->size() == n,
+              "cpu_adam: params, grads, exp_avgs and exp_avg_sqs must have the same length, got ", text(n), ", ",
+              text(grads->size()), ", ", text(exp_avgs->size()), ", ", text(exp_avg_sqs->size()));
+  TORCH_CHECK(outs->empty() || outs->size() == n,
+              "cpu_adam: bf16_outs must be empty or have one tensor per param, got ", text(outs->size()), " for ",
+              text(n), " params");
+  TORCH_CHECK(counter_offsets.empty() || counter_offsets.size() == n,
+              "cpu_adam: counter_offsets must be empty or have one offset per param, got ",
+              text(counter_offsets.size()), " for ", text(n), " params");
+  for (const int64_t offset : counter_offsets) {
+    TORCH_CHECK(offset >= 0 && offset % 2 == 0, "cpu_adam: counter offsets must be even and >= 0, got ", text(offset),
+                "; stochastic rounding hashes pairs of elements");
+  }
+  std::vector<Piece> pieces;
+  for (size_t i = 0; i < n; ++i) {
+    const Tensor& param = (*params)[i];
+    for (int r = 0; r < kRoles; ++r) {
+      if (r == kOuts && outs->empty()) continue;
+      const Tensor& t = (*lists[r])[i];
+      TORCH_CHECK(t.numel() == param.numel(), "cpu_adam: ", kRoleNames[r], "[", text(i), "] has ", text(t.numel()),
+                  " elements but params[", text(i), "] has ", text(param.numel()), "; each tuple must match in size");
+      TORCH_CHECK(r == kGrads || elements_have_own_memory(t), "cpu_adam: ", kRoleNames[r], "[", text(i),
+                  "] overlaps itself (an expanded or overlapping as_strided view), so its elements would take "
+                  "each other's updates; pass a tensor whose elements each have their own memory (.clone() it)");
+      if (t.numel() > 0) pieces.push_back({extent_of(t), i, r});
+    }
+    dtype_of(param, "params", i);
+    dtype_of((*grads)[i], "grads", i);
+    dtype_of((*exp_avgs)[i], "exp_avgs", i);
+    TORCH_CHECK((*exp_avg_sqs)[i].scalar_type() == (*exp_avgs)[i].scalar_type(), "cpu_adam: exp_avgs[", text(i),
+                "] is ", (*exp_avgs)[i].scalar_type(), " but exp_avg_sqs[", text(i), "] is ",
+                (*exp_avg_sqs)[i].scalar_type(), "; keep both moments in one dtype");
+    if (!outs->empty()) {
+      TORCH_CHECK((*outs)[i].scalar_type() == at::kBFloat16, "cpu_adam: bf16_outs[", text(i), "] has dtype ",
+                  (*outs)[i].scalar_type(), "; the output copy is always bfloat16");
+    }
+  }
+  check_no_aliasing(std::move(pieces));
 }
 
 struct Tuple {
@@ -104,50 +194,21 @@ struct Tuple {
   Layout layout;
 };
 
-std::vector<Tuple> prepare(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
-                           const std::vector<Tensor>& exp_avgs, const std::vector<Tensor>& exp_avg_sqs,
-                           const std::vector<Tensor>& outs) {
-  const size_t n = params.size();
-  TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n,
-              "cpu_adam: params, grads, exp_avgs and exp_avg_sqs must have the same length, got ", text(n), ", ",
-              text(grads.size()), ", ", text(exp_avgs.size()), ", ", text(exp_avg_sqs.size()));
-  TORCH_CHECK(outs.empty() || outs.size() == n, "cpu_adam: bf16_outs must be empty or have one tensor per param, got ",
-              text(outs.size()), " for ", text(n), " params");
-  // No device or layout check: the dispatcher sends only dense CPU tensors here
-  // (cpu_adam/ops.py explains the others before dispatch).
-  std::vector<Tuple> tuples(n);
-  std::vector<Span> spans;
-  for (size_t i = 0; i < n; ++i) {
-    const Tensor* all[] = {&params[i], &grads[i], &exp_avgs[i], &exp_avg_sqs[i], outs.empty() ? nullptr : &outs[i]};
-    const char* roles[] = {"params", "grads", "exp_avgs", "exp_avg_sqs", "bf16_outs"};
-    for (int r = 0; r < 5; ++r) {
-      if (!all[r]) continue;
-      const Tensor& t = *all[r];
-      TORCH_CHECK(t.numel() == params[i].numel(), "cpu_adam: ", roles[r], "[", text(i), "] has ", text(t.numel()),
-                  " elements but params[", text(i), "] has ", text(params[i].numel()),
-                  "; each tuple must match in size");
-      TORCH_CHECK(r == 1 || elements_have_own_memory(t), "cpu_adam: ", roles[r], "[", text(i),
-                  "] overlaps itself (an expanded or overlapping as_strided view), so its elements would take "
-                  "each other's updates; pass a tensor whose elements each have their own memory (.clone() it)");
-      if (t.numel() > 0) spans.push_back(span_of(t, i, roles[r], r != 1));
-    }
+// The kernel runs on contiguous tensors: non-contiguous ones are copied here and back after.
+std::vector<Tuple> stage(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+                         const std::vector<Tensor>& exp_avgs, const std::vector<Tensor>& exp_avg_sqs,
+                         const std::vector<Tensor>& outs) {
+  std::vector<Tuple> tuples(params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
     Tuple& tu = tuples[i];
     tu.layout = {dtype_of(params[i], "params", i), dtype_of(grads[i], "grads", i),
                  dtype_of(exp_avgs[i], "exp_avgs", i)};
-    TORCH_CHECK(exp_avg_sqs[i].scalar_type() == exp_avgs[i].scalar_type(), "cpu_adam: exp_avgs[", text(i), "] is ",
-                exp_avgs[i].scalar_type(), " but exp_avg_sqs[", text(i), "] is ", exp_avg_sqs[i].scalar_type(),
-                "; keep both moments in one dtype");
-    if (!outs.empty()) {
-      TORCH_CHECK(outs[i].scalar_type() == at::kBFloat16, "cpu_adam: bf16_outs[", text(i), "] has dtype ",
-                  outs[i].scalar_type(), "; the output copy is always bfloat16");
-      tu.out = outs[i].contiguous();
-    }
     tu.param = params[i].contiguous();
     tu.grad = grads[i].contiguous();
     tu.exp_avg = exp_avgs[i].contiguous();
     tu.exp_avg_sq = exp_avg_sqs[i].contiguous();
+    if (!outs.empty()) tu.out = outs[i].contiguous();
   }
-  check_no_aliasing(std::move(spans));
   return tuples;
 }
 
@@ -239,24 +300,64 @@ void run_all(std::vector<Tuple>& tuples, const Hyper& h, int64_t seed, int64_t s
   });
 }
 
-void launch(const std::vector<Tensor>& params, const std::vector<Tensor>& grads, const std::vector<Tensor>& exp_avgs,
-            const std::vector<Tensor>& exp_avg_sqs, const std::vector<Tensor>& outs, const Hyper& h, int64_t seed,
-            int64_t step, const std::vector<int64_t>& counter_offsets) {
-  TORCH_CHECK(counter_offsets.empty() || counter_offsets.size() == params.size(),
-              "cpu_adam: counter_offsets must be empty or have one offset per param, got ",
-              text(counter_offsets.size()), " for ", text(params.size()), " params");
-  for (const int64_t offset : counter_offsets) {
-    TORCH_CHECK(offset >= 0 && offset % 2 == 0, "cpu_adam: counter offsets must be even and >= 0, got ", text(offset),
-                "; stochastic rounding hashes pairs of elements");
-  }
-  std::vector<Tuple> tuples = prepare(params, grads, exp_avgs, exp_avg_sqs, outs);
+void launch(const TensorLists& lists, const Hyper& h, int64_t seed, int64_t step,
+            const std::vector<int64_t>& counter_offsets) {
+  check_tensors(lists, counter_offsets);
+  const auto& [params, grads, exp_avgs, exp_avg_sqs, outs] = lists;
+  std::vector<Tuple> tuples = stage(*params, *grads, *exp_avgs, *exp_avg_sqs, *outs);
   run_all(tuples, h, seed, step, counter_offsets);
-  write_back(params, exp_avgs, exp_avg_sqs, outs, tuples);
+  write_back(*params, *exp_avgs, *exp_avg_sqs, *outs, tuples);
   // As torch's in-place ops do: a backward through a graph that saved these tensors before the
   // step then fails instead of running on the new values.
-  for (const auto* written : {&params, &exp_avgs, &exp_avg_sqs, &outs}) {
+  for (const auto* written : {params, exp_avgs, exp_avg_sqs, outs}) {
     for (const Tensor& t : *written) torch::autograd::impl::bump_version(t);
   }
+}
+
+// The kernel computes in float32: a folded scalar past its range would make every update inf or NaN.
+float in_float_range(double value, const char* what) {
+  const auto narrowed = static_cast<float>(value);
+  TORCH_CHECK_VALUE(std::isfinite(narrowed), "cpu_adam: ", what, " is ", text(value),
+                    ", beyond float32's range (+-3.4e38), in which the kernel computes");
+  return narrowed;
+}
+
+// A scalar out of range would write NaN, or a plausible wrong number, into every tensor: each is
+// refused by name, with the range it must be in, before anything is written.
+Hyper adam_hyper(double lr, double beta1, double beta2, double eps, double weight_decay, bool adamw_mode,
+                 double bias_correction1, double bias_correction2, double grad_scale, bool stochastic_rounding,
+                 int64_t step) {
+  TORCH_CHECK_VALUE(std::isfinite(lr) && lr >= 0, "cpu_adam: lr must be finite and >= 0, got ", text(lr));
+  TORCH_CHECK_VALUE(beta1 >= 0 && beta1 < 1, "cpu_adam: beta1 must be in [0, 1), got ", text(beta1));
+  TORCH_CHECK_VALUE(beta2 >= 0 && beta2 < 1, "cpu_adam: beta2 must be in [0, 1), got ", text(beta2));
+  TORCH_CHECK_VALUE(std::isfinite(eps) && eps >= 0, "cpu_adam: eps must be finite and >= 0, got ", text(eps));
+  TORCH_CHECK_VALUE(std::isfinite(weight_decay) && weight_decay >= 0,
+                    "cpu_adam: weight_decay must be finite and >= 0, got ", text(weight_decay));
+  TORCH_CHECK_VALUE(std::isfinite(grad_scale), "cpu_adam: grad_scale must be finite, got ", text(grad_scale));
+  TORCH_CHECK_VALUE(step >= 1, "cpu_adam: step counts from 1 (the step being taken), got ", text(step));
+  const auto check_bias_correction = [](const char* name, double value) {
+    TORCH_CHECK_VALUE(std::isfinite(value) && value > 0, "cpu_adam: ", name, " must be finite and > 0, got ",
+                      text(value), "; compute it as 1 - beta**step with step >= 1 (1 without bias correction)");
+  };
+  check_bias_correction("bias_correction1", bias_correction1);
+  check_bias_correction("bias_correction2", bias_correction2);
+  // Folded in double, as torch folds them in Python, then rounded once to float.
+  Hyper h;
+  h.step_size = in_float_range(lr / bias_correction1, "lr / bias_correction1");
+  h.inv_bc2_sqrt = in_float_range(1.0 / std::sqrt(bias_correction2), "1 / sqrt(bias_correction2)");
+  // The step flushes denormals, which would turn an eps below 2^-126 into 0 and a zero grad's
+  // update into 0/0: the smallest normal float keeps eps what it is for, a floor.
+  const float eps_float = in_float_range(eps, "eps");
+  h.eps = eps > 0 ? std::max(eps_float, std::numeric_limits<float>::min()) : eps_float;
+  h.decay = in_float_range(adamw_mode ? 1.0 - lr * weight_decay : 1.0, "1 - lr * weight_decay");
+  h.l2 = in_float_range(adamw_mode ? 0.0 : weight_decay, "weight_decay");
+  h.grad_scale = in_float_range(grad_scale, "grad_scale");
+  h.one_minus_beta1 = static_cast<float>(1.0 - beta1);
+  h.beta2 = static_cast<float>(beta2);
+  h.one_minus_beta2 = static_cast<float>(1.0 - beta2);
+  h.stochastic_rounding = stochastic_rounding;
+  h.probe = false;
+  return h;
 }
 
 void adam_step(const std::vector<Tensor>& params, const std::vector<Tensor>& grads, const std::vector<Tensor>& exp_avgs,
@@ -264,25 +365,22 @@ void adam_step(const std::vector<Tensor>& params, const std::vector<Tensor>& gra
                double beta2, double eps, double weight_decay, bool adamw_mode, double bias_correction1,
                double bias_correction2, double grad_scale, bool stochastic_rounding, int64_t seed, int64_t step,
                const std::vector<int64_t>& counter_offsets) {
-  TORCH_CHECK(bias_correction1 > 0 && bias_correction2 > 0, "cpu_adam: bias corrections must be > 0, got ",
-              text(bias_correction1), " and ", text(bias_correction2),
-              "; compute them as 1 - beta**step with step >= 1");
-  // Folded in double, as torch folds them in Python, then rounded once to float.
-  Hyper h;
-  h.step_size = static_cast<float>(lr / bias_correction1);
-  h.inv_bc2_sqrt = static_cast<float>(1.0 / std::sqrt(bias_correction2));
-  // The step flushes denormals, which would turn an eps below 2^-126 into 0 and a zero grad's
-  // update into 0/0: the smallest normal float keeps eps what it is for, a floor.
-  h.eps = eps > 0 ? std::max(static_cast<float>(eps), std::numeric_limits<float>::min()) : static_cast<float>(eps);
-  h.decay = static_cast<float>(adamw_mode ? 1.0 - lr * weight_decay : 1.0);
-  h.l2 = static_cast<float>(adamw_mode ? 0.0 : weight_decay);
-  h.grad_scale = static_cast<float>(grad_scale);
-  h.one_minus_beta1 = static_cast<float>(1.0 - beta1);
-  h.beta2 = static_cast<float>(beta2);
-  h.one_minus_beta2 = static_cast<float>(1.0 - beta2);
-  h.stochastic_rounding = stochastic_rounding;
-  h.probe = false;
-  launch(params, grads, exp_avgs, exp_avg_sqs, bf16_outs, h, seed, step, counter_offsets);
+  const Hyper h = adam_hyper(lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction1, bias_correction2,
+                             grad_scale, stochastic_rounding, step);
+  launch({&params, &grads, &exp_avgs, &exp_avg_sqs, &bf16_outs}, h, seed, step, counter_offsets);
+}
+
+// Every check of adam_step_, nothing written: callers that step in several calls check them all
+// first, so that a step updates every tensor or none.
+void check_adam_step(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+                     const std::vector<Tensor>& exp_avgs, const std::vector<Tensor>& exp_avg_sqs,
+                     const std::vector<Tensor>& bf16_outs, double lr, double beta1, double beta2, double eps,
+                     double weight_decay, bool adamw_mode, double bias_correction1, double bias_correction2,
+                     double grad_scale, bool stochastic_rounding, int64_t seed, int64_t step,
+                     const std::vector<int64_t>& counter_offsets) {
+  adam_hyper(lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction1, bias_correction2, grad_scale,
+             stochastic_rounding, step);
+  check_tensors({&params, &grads, &exp_avgs, &exp_avg_sqs, &bf16_outs}, counter_offsets);
 }
 
 void bandwidth_probe(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
@@ -290,7 +388,7 @@ void bandwidth_probe(const std::vector<Tensor>& params, const std::vector<Tensor
                      const std::vector<Tensor>& bf16_outs) {
   Hyper h{};
   h.probe = true;
-  launch(params, grads, exp_avgs, exp_avg_sqs, bf16_outs, h, 0, 0, {});
+  launch({&params, &grads, &exp_avgs, &exp_avg_sqs, &bf16_outs}, h, 0, 0, {});
 }
 
 std::vector<std::string> isa_names(bool only_supported) {
@@ -315,6 +413,11 @@ TORCH_LIBRARY(cpu_adam, m) {
       "bool adamw_mode, float bias_correction1, float bias_correction2, float grad_scale, "
       "bool stochastic_rounding, int seed, int step, int[] counter_offsets) -> ()");
   m.def(
+      "check_adam_step(Tensor[] params, Tensor[] grads, Tensor[] exp_avgs, Tensor[] exp_avg_sqs, "
+      "Tensor[] bf16_outs, float lr, float beta1, float beta2, float eps, float weight_decay, "
+      "bool adamw_mode, float bias_correction1, float bias_correction2, float grad_scale, "
+      "bool stochastic_rounding, int seed, int step, int[] counter_offsets) -> ()");
+  m.def(
       "bandwidth_probe_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
       "Tensor(d!)[] bf16_outs) -> ()");
   m.def("compiled_isas() -> str[]", &compiled_isa_names);
@@ -326,6 +429,14 @@ TORCH_LIBRARY(cpu_adam, m) {
 
 TORCH_LIBRARY_IMPL(cpu_adam, CPU, m) {
   m.impl("adam_step_", &adam_step);
+  m.impl("check_adam_step", &check_adam_step);
+  m.impl("bandwidth_probe_", &bandwidth_probe);
+}
+
+// The fallback for every backend without a kernel of its own (see check_dense_cpu).
+TORCH_LIBRARY_IMPL(cpu_adam, CompositeExplicitAutograd, m) {
+  m.impl("adam_step_", &adam_step);
+  m.impl("check_adam_step", &check_adam_step);
   m.impl("bandwidth_probe_", &bandwidth_probe);
 }
 

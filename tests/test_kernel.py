@@ -3,6 +3,8 @@ bound of a float64 Adam, bf16 rounding equal to torch's, and its errors."""
 
 from __future__ import annotations
 
+import random
+import re
 import threading
 import warnings
 
@@ -403,3 +405,300 @@ def test_a_failed_cpuadam_step_changes_no_count(monkeypatch: pytest.MonkeyPatch)
     with pytest.raises(RuntimeError, match="simulated"):
         optimizer.step()
     assert float(optimizer.state[w]["step"]) == 1
+
+
+# ---- the raw op is the boundary too: scalars, devices, memory ----
+
+OP_SCALARS = {
+    "lr": 1e-2,
+    "beta1": 0.9,
+    "beta2": 0.999,
+    "eps": 1e-8,
+    "weight_decay": 0.0,
+    "adamw_mode": True,
+    "bias_correction1": 0.5,
+    "bias_correction2": 0.25,
+    "grad_scale": 1.0,
+    "stochastic_rounding": False,
+    "seed": 0,
+    "step": 1,
+    "counter_offsets": [],
+}
+
+
+def raw_step(tensors: list[list[torch.Tensor]], outs: list[torch.Tensor] | None = None, **scalars) -> None:
+    """torch.ops.cpu_adam.adam_step_ as other code calls it, past the Python wrapper's checks."""
+    ops._ops()  # loaded and the fakes registered, as any caller of the package has them
+    torch.ops.cpu_adam.adam_step_(*tensors, outs or [], **{**OP_SCALARS, **scalars})
+
+
+def two_tuples() -> list[list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [[torch.randn(n, generator=g) for n in (8, 5)] for _ in range(4)]
+
+
+def snapshot(tensors: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    return [t.clone() for ts in tensors for t in ts]
+
+
+def assert_unchanged(tensors: list[list[torch.Tensor]], before: list[torch.Tensor]) -> None:
+    for t, b in zip((t for ts in tensors for t in ts), before):
+        assert_same_bits(t, b, "a refused step wrote")
+
+
+@pytest.mark.parametrize(
+    ("scalars", "message"),
+    [
+        ({"lr": float("nan")}, "lr must be finite and >= 0, got nan"),
+        ({"lr": -1e-3}, "lr must be finite and >= 0, got -0.001"),
+        ({"lr": float("inf")}, "lr must be finite and >= 0, got inf"),
+        ({"lr": 1e39}, "lr / bias_correction1 is 2e+39, beyond float32's range"),
+        ({"beta1": 1.0}, "beta1 must be in [0, 1), got 1"),
+        ({"beta1": -0.5}, "beta1 must be in [0, 1), got -0.5"),
+        ({"beta2": float("nan")}, "beta2 must be in [0, 1), got nan"),
+        ({"eps": -1e-8}, "eps must be finite and >= 0, got -1e-08"),
+        ({"eps": float("inf")}, "eps must be finite and >= 0, got inf"),
+        ({"eps": 1e300}, "eps is 1e+300, beyond float32's range"),
+        ({"weight_decay": -0.01}, "weight_decay must be finite and >= 0, got -0.01"),
+        ({"weight_decay": float("nan")}, "weight_decay must be finite and >= 0, got nan"),
+        ({"weight_decay": 4e40}, "1 - lr * weight_decay is -4e+38, beyond float32's range"),
+        ({"weight_decay": 1e39, "adamw_mode": False}, "weight_decay is 1e+39, beyond float32's range"),
+        ({"grad_scale": float("-inf")}, "grad_scale must be finite, got -inf"),
+        ({"grad_scale": 1e39}, "grad_scale is 1e+39, beyond float32's range"),
+        ({"bias_correction1": 0.0}, "bias_correction1 must be finite and > 0, got 0"),
+        ({"bias_correction1": float("nan")}, "bias_correction1 must be finite and > 0, got nan"),
+        ({"bias_correction2": -0.5}, "bias_correction2 must be finite and > 0, got -0.5"),
+        ({"bias_correction2": 1e-300}, "1 / sqrt(bias_correction2) is 1e+150, beyond float32's range"),
+        ({"step": 0}, "step counts from 1 (the step being taken), got 0"),
+    ],
+)
+def test_bad_scalars_are_refused_by_name_before_anything_is_written(scalars: dict, message: str) -> None:
+    tensors = two_tuples()
+    before = snapshot(tensors)
+    with pytest.raises(ValueError, match=re.escape(f"cpu_adam: {message}")):
+        raw_step(tensors, **scalars)
+    assert_unchanged(tensors, before)
+
+
+def test_scalars_at_the_ends_of_their_ranges_are_accepted() -> None:
+    edges = {"lr": 0.0, "beta1": 0.0, "beta2": 0.0, "eps": 0.0, "weight_decay": 0.0, "bias_correction1": 1.0}
+    params, grads, _, _ = two_tuples()
+    moments = [[torch.zeros_like(p) for p in params] for _ in range(2)]
+    before = [p.clone() for p in params]
+    raw_step([params, grads, *moments], **edges, grad_scale=-2.0)
+    # lr = 0 leaves the params; with beta1 = beta2 = 0 the moments become the scaled grad and its square.
+    for p, g, m, v, b in zip(params, grads, *moments, before):
+        assert torch.equal(p, b)
+        assert torch.equal(m, g * -2.0) and torch.equal(v, (g * -2.0) * (g * -2.0))
+
+
+@pytest.mark.parametrize("role", range(4))
+def test_a_meta_tensor_among_cpu_tensors_is_refused(role: int) -> None:
+    tensors = two_tuples()
+    before = snapshot(tensors)
+    cpu_tensor, tensors[role][1] = tensors[role][1], torch.empty(5, device="meta")
+    names = ("params", "grads", "exp_avgs", "exp_avg_sqs")
+    with pytest.raises(RuntimeError, match=rf"on cpu but {names[role]}\[1\] is on meta; every tensor of a step"):
+        raw_step(tensors)
+    tensors[role][1] = cpu_tensor
+    assert_unchanged(tensors, before)
+
+
+def test_meta_and_fake_tensors_trace_without_effect() -> None:
+    meta = [[torch.empty(8, device="meta")] for _ in range(4)]
+    raw_step(meta)  # model init on the meta device, torch.compile's tracing: no-ops
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def compiled_step(p, g, m, v):
+        ops.adam_step([p], [g], [m], [v], step=1, **HYPER)
+
+    p, g, m, v = (torch.ones(8) for _ in range(4))
+    compiled_step(p, g, m, v)
+    assert (p < 1).all() and (m > 0).all()
+
+
+def test_sparse_tensors_reaching_the_op_are_refused_by_name() -> None:
+    tensors = two_tuples()
+    before = snapshot(tensors)
+    dense, tensors[1][0] = tensors[1][0], tensors[1][0].to_sparse()
+    with pytest.raises(RuntimeError, match=r"cpu_adam: grads\[0\] is a Sparse tensor on cpu; the kernel updates dense"):
+        raw_step(tensors)
+    tensors[1][0] = dense
+    assert_unchanged(tensors, before)
+
+
+def test_empty_lists_reaching_the_op_are_a_no_op_with_checked_scalars() -> None:
+    raw_step([[], [], [], []])
+    with pytest.raises(ValueError, match="lr must be finite"):
+        raw_step([[], [], [], []], lr=float("nan"))
+
+
+ROLES = ("param", "grad", "exp_avg", "exp_avg_sq", "out")
+
+
+def fresh_tuples(shapes: list[tuple[int, ...]]) -> list[list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [
+        [torch.randn(s, generator=g) for s in shapes],
+        [torch.randn(s, generator=g) for s in shapes],
+        [torch.randn(s, generator=g) * 0.1 for s in shapes],
+        [torch.randn(s, generator=g).square() for s in shapes],
+        [torch.zeros(s, dtype=torch.bfloat16) for s in shapes],
+    ]
+
+
+def with_views(views: tuple[torch.Tensor, ...], places: tuple[tuple[str, int], ...]) -> list[list[torch.Tensor]]:
+    """Two tuples of fresh tensors, with each view in its (role, tuple) place holding that place's values."""
+    shapes = [(3,), (3,)]
+    for view, (_, i) in zip(views, places):
+        shapes[i] = view.shape
+    tensors = fresh_tuples(shapes)
+    for view, (role, i) in zip(views, places):
+        view.copy_(tensors[ROLES.index(role)][i])
+        tensors[ROLES.index(role)][i] = view
+    return tensors
+
+
+# (name, views of one float32 buffer of 256 elements, the (role, tuple) place of each)
+DISJOINT_VIEWS = [
+    ("interleaved params", lambda b: (b[0::2], b[1::2]), (("param", 0), ("param", 1))),
+    ("a param interleaved with its exp_avg", lambda b: (b[0::2], b[1::2]), (("param", 0), ("exp_avg", 0))),
+    ("a grad interleaved with its param", lambda b: (b[1::2], b[0::2]), (("grad", 0), ("param", 0))),
+    (
+        "interleaved columns",
+        lambda b: (b.view(8, 32)[:, 0::2], b.view(8, 32)[:, 1::2]),
+        (("exp_avg", 0), ("exp_avg_sq", 1)),
+    ),
+    ("column blocks", lambda b: (b.view(16, 16)[:, :5], b.view(16, 16)[:, 5:]), (("param", 0), ("param", 1))),
+    ("strides 3 and 5", lambda b: (b[0:10:3], b[2:13:5]), (("param", 0), ("exp_avg", 1))),
+    (
+        "bf16 outputs between float32 params",
+        lambda b: (b[0::2], b.view(torch.bfloat16)[2::4]),
+        (("param", 0), ("out", 0)),
+    ),
+]
+
+OVERLAPPING_VIEWS = [
+    ("shifted by one stride", lambda b: (b[0:16:2], b[2:18:2]), (("param", 0), ("param", 1))),
+    ("strides 2 and 3 from one start", lambda b: (b[0::2], b[0::3]), (("param", 0), ("exp_avg_sq", 1))),
+    (
+        "column blocks sharing a column",
+        lambda b: (b.view(16, 16)[:, :6], b.view(16, 16)[:, 5:]),
+        (("param", 0), ("param", 1)),
+    ),
+    (
+        "a bf16 output over 2 bytes of a param",
+        lambda b: (b[0:8], b.view(torch.bfloat16)[15:23]),
+        (("param", 0), ("out", 0)),
+    ),
+    ("one view as a param and its exp_avg", lambda b: (b[0::2], b[0::2]), (("param", 0), ("exp_avg", 0))),
+    ("a grad under another tuple's param", lambda b: (b[0:8], b[4:12]), (("grad", 0), ("param", 1))),
+]
+
+
+def step_two_tuples(tensors: list[list[torch.Tensor]]) -> None:
+    raw_step(tensors[:4], tensors[4], stochastic_rounding=True, counter_offsets=[0, 1 << 20])
+
+
+@pytest.mark.parametrize(("make_views", "places"), [c[1:] for c in DISJOINT_VIEWS], ids=[c[0] for c in DISJOINT_VIEWS])
+def test_disjoint_views_of_one_buffer_step_as_separate_tensors(make_views, places) -> None:
+    buffer = torch.randn(256, generator=torch.Generator().manual_seed(0))
+    tensors = with_views(make_views(buffer), places)
+    separate = [[t.clone(memory_format=torch.contiguous_format) for t in ts] for ts in tensors]
+    expected_buffer = buffer.clone()
+    step_two_tuples(separate)
+    for view, (role, i) in zip(make_views(expected_buffer), places):
+        if role != "grad":
+            view.copy_(separate[ROLES.index(role)][i])
+
+    step_two_tuples(tensors)
+    for role, ts, expected in zip(ROLES, tensors, separate):
+        for i, (t, e) in enumerate(zip(ts, expected)):
+            assert_same_bits(t.contiguous(), e, f"{role}[{i}]")
+    assert_same_bits(buffer, expected_buffer, "the buffer, gaps between the views included")
+
+
+@pytest.mark.parametrize(
+    ("make_views", "places"), [c[1:] for c in OVERLAPPING_VIEWS], ids=[c[0] for c in OVERLAPPING_VIEWS]
+)
+def test_overlapping_views_are_refused_and_nothing_is_written(make_views, places) -> None:
+    buffer = torch.randn(256, generator=torch.Generator().manual_seed(0))
+    tensors = with_views(make_views(buffer), places)
+    before = [[t.clone() for t in ts] for ts in tensors]
+    buffer_before = buffer.clone()
+    with pytest.raises(RuntimeError, match="share memory"):
+        step_two_tuples(tensors)
+    for ts, bs in zip(tensors, before):
+        for t, b in zip(ts, bs):
+            assert_same_bits(t, b, "a refused step wrote")
+    assert_same_bits(buffer, buffer_before, "a refused step wrote into the buffer")
+
+
+def random_view(buffer: torch.Tensor, rng: random.Random) -> torch.Tensor | None:
+    """A float32 or bfloat16 as_strided view of the byte buffer whose elements each have their own memory."""
+    items = buffer.view(rng.choice([torch.float32, torch.bfloat16]))
+    shape = [rng.randint(1, 7) for _ in range(rng.randint(0, 3))]
+    strides = [rng.choice([1, 2, 3, 4, 5, 6, 8, 9, 12, 16, 24, 40]) for _ in shape]
+    span = 1 + sum((n - 1) * s for n, s in zip(shape, strides))
+    dims = sorted((s, n) for s, n in zip(strides, shape) if n > 1)
+    below = 0  # what the smaller dims span
+    for s, n in dims:
+        if s <= below or span > items.numel():
+            return None
+        below += (n - 1) * s
+    return items.as_strided(shape, strides, rng.randint(0, items.numel() - span))
+
+
+def byte_addresses(t: torch.Tensor) -> set[int]:
+    offsets = torch.zeros((), dtype=torch.int64)
+    for n, s in zip(t.shape, t.stride()):
+        offsets = offsets.unsqueeze(-1) + torch.arange(n) * s
+    starts = t.data_ptr() + offsets.flatten() * t.element_size()
+    return {int(a) + k for a in starts for k in range(t.element_size())}
+
+
+def test_the_overlap_check_agrees_with_the_address_sets() -> None:
+    # Random strided views, the second often with the first's strides: refused exactly when they share a byte.
+    rng = random.Random(0)
+    outcomes = {"share bytes": 0, "interleave": 0, "apart": 0}
+    while min(outcomes.values()) < 200:
+        buffer = torch.zeros(256, dtype=torch.uint8)
+        a, b = random_view(buffer, rng), random_view(buffer, rng)
+        if a is None or b is None:
+            continue
+        if rng.random() < 0.5 and a.dim() > 0:  # the first's layout elsewhere in the buffer
+            items = buffer.view(a.dtype)
+            span = 1 + sum((n - 1) * s for n, s in zip(a.shape, a.stride()))
+            b = items.as_strided(a.shape, a.stride(), rng.randint(0, items.numel() - span))
+        addresses = byte_addresses(a), byte_addresses(b)
+        shares = bool(addresses[0] & addresses[1])
+        moments = [[torch.zeros(a.shape), torch.zeros(b.shape)] for _ in range(3)]
+        try:
+            torch.ops.cpu_adam.check_adam_step([a, b], *moments, [], **OP_SCALARS)
+            refused = False
+        except RuntimeError as error:
+            assert "share memory" in str(error)
+            refused = True
+        layouts = (
+            f"{tuple(a.shape)}, {a.stride()} at {a.data_ptr()} and {tuple(b.shape)}, {b.stride()} at {b.data_ptr()}"
+        )
+        assert refused == shares, f"{layouts}: {'refused' if refused else 'accepted'}"
+        spans_meet = max(map(min, addresses)) <= min(map(max, addresses))
+        outcomes["share bytes" if shares else "interleave" if spans_meet else "apart"] += 1
+
+
+@pytest.mark.parametrize("rows", [1024, 16384])
+def test_views_with_unrelated_strides_are_told_apart_or_refused_as_too_intricate(rows: int) -> None:
+    # Rows of 4 from a (rows, 8) view and rows of 4 from a (rows / 2, 16) view of one buffer never
+    # meet, but only row by row can tell: past a fixed amount of that work the step is refused.
+    buffer = torch.randn(rows * 8, generator=torch.Generator().manual_seed(0))
+    views = buffer.view(rows, 8)[:, :4], buffer.view(rows // 2, 16)[:, 4:8]
+    tensors = with_views(views, (("param", 0), ("param", 1)))
+    before = buffer.clone()
+    if rows == 1024:
+        step_two_tuples(tensors)
+        assert not torch.equal(buffer, before)
+        return
+    with pytest.raises(RuntimeError, match="too intricate to prove they share no memory"):
+        step_two_tuples(tensors)
+    assert_same_bits(buffer, before, "a refused step wrote into the buffer")

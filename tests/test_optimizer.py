@@ -279,6 +279,51 @@ def test_sparse_grad_raises_clear_error() -> None:
         CPUAdam(embedding.parameters()).step()
 
 
+def _state_snapshot(optimizer: CPUAdam, params) -> list[torch.Tensor]:
+    states = [optimizer.state[p] for p in params if p in optimizer.state]
+    return [p.detach().clone() for p in params] + [
+        s[k].clone() for s in states for k in ("step", "exp_avg", "exp_avg_sq")
+    ]
+
+
+def _double_param_in_group_1(groups) -> None:
+    p = groups[1]["params"][0]
+    p.data = p.data.double()
+
+
+def _sparse_grad_in_the_second_call(groups) -> None:
+    p = groups[0]["params"][1]  # a step behind: stepped in the group's second call
+    p.grad = p.grad.to_sparse()
+
+
+@pytest.mark.parametrize(
+    ("spoil", "error", "match"),
+    [
+        (lambda groups: groups[1].update(lr=float("nan")), ValueError, "Invalid learning rate: nan"),
+        (lambda groups: groups[1].update(eps=float("inf")), ValueError, "Invalid epsilon value: inf"),
+        (_double_param_in_group_1, RuntimeError, "Double"),
+        (_sparse_grad_in_the_second_call, RuntimeError, "dense"),
+    ],
+    ids=["lr in a later group", "eps in a later group", "a later group's param", "a grad stepped in a later call"],
+)
+def test_a_step_that_raises_changes_no_param_state_or_count(spoil, error, match) -> None:
+    params = make_params()
+    optimizer = CPUAdam([{"params": params[:2]}, {"params": params[2:]}], **HYPER)
+    for p, g in zip(params, grads_for(params, 0)):
+        p.grad = g
+    optimizer.step()
+    params[1].grad = None
+    optimizer.step()  # params[1] now counts one step fewer: group 0 steps in two calls
+    for p, g in zip(params, grads_for(params, 1)):
+        p.grad = g
+    spoil(optimizer.param_groups)
+    before = _state_snapshot(optimizer, params)
+    with pytest.raises(error, match=match):
+        optimizer.step()
+    for a, b in zip(_state_snapshot(optimizer, params), before):
+        assert torch.equal(a, b)
+
+
 # ---- torch.optim conventions ----
 
 

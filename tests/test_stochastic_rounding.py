@@ -109,10 +109,22 @@ def test_nan_inf_and_the_bf16_maximum() -> None:
     # Representable values store as themselves; NaN stays NaN.
     assert_same_bits(param, values.to(torch.bfloat16).repeat(100), "specials")
 
-    # Just past the bf16 maximum (p * 1.001 via a negative decay): the two neighbours
-    # are the maximum and infinity, as round-to-nearest's overflow to inf.
+    # Just past the bf16 maximum (p * 1.001: a first Adam step moves a param by lr against its
+    # grad): the two neighbours are the maximum and infinity, as round-to-nearest's overflow to inf.
     near_max = torch.full((1000,), bf16_max, dtype=torch.bfloat16)
-    decay_only_sr_step(near_max, lr=1.0, weight_decay=-1e-3, seed=1)
+    moments = [torch.zeros(1000), torch.zeros(1000)]
+    ops.adam_step(
+        [near_max],
+        [-torch.ones(1000)],
+        *([m] for m in moments),
+        step=1,
+        lr=bf16_max * 1e-3,
+        beta1=0.9,
+        beta2=0.999,
+        eps=1e-8,
+        stochastic_rounding=True,
+        seed=1,
+    )
     assert not near_max.isnan().any()
     assert ((near_max == bf16_max) | (near_max == float("inf"))).all()
 
