@@ -346,3 +346,19 @@ def test_moving_the_model_moves_the_placeholder_grads():
     assert moved.dtype == torch.float32 and moved.stride() == (0, 0), "a placeholder must stay one element"
     assert float(moved.norm()) == norm
     opt.step()
+
+
+def test_a_later_group_whose_scalars_overflow_the_step_leaves_every_group_alone():
+    # 1e300 passes the range checks but overflows float32 in the kernel: refused before group 0 steps.
+    model = make_model(0)
+    weights = [p for p in model.parameters() if p.dim() >= 2]
+    others = [p for p in model.parameters() if p.dim() < 2]
+    opt = OffloadOptimizer([{"params": weights}, {"params": others}], **HYPER)
+    lm_loss(model, batches(1)[0]).backward()
+    opt.param_groups[1]["weight_decay"] = 1e300
+    before = [p.detach().clone() for p in model.parameters()] + [m.clone() for m in opt.master_weights()]
+    with pytest.raises(ValueError, match="beyond float32's range"):
+        opt.step()
+    after = [p.detach().clone() for p in model.parameters()] + [m.clone() for m in opt.master_weights()]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    assert all(n == 0 for group in opt._groups for n in group.steps)
