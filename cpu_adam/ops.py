@@ -131,7 +131,6 @@ def adam_step(
     # Lists once: generators would be used up by the checks.
     params, grads, exp_avgs, exp_avg_sqs = list(params), list(grads), list(exp_avgs), list(exp_avg_sqs)
     outs = list(bf16_outs) if bf16_outs is not None else []
-    _check_all(params, grads, exp_avgs, exp_avg_sqs, outs)
     if params and not check_only and not torch.compiler.is_compiling():  # a system call would break a graph
         judge_threads_once()
     if not stochastic_rounding:
@@ -139,26 +138,32 @@ def adam_step(
     elif counter_offsets is None:
         counter_offsets = back_to_back(params)
     op = _ops().check_adam_step if check_only else _ops().adam_step_
-    op(
-        params,
-        grads,
-        exp_avgs,
-        exp_avg_sqs,
-        outs,
-        lr,
-        beta1,
-        beta2,
-        eps,
-        weight_decay,
-        adamw_mode,
-        _bias_correction(beta1, step) if bias_correction else 1.0,
-        _bias_correction(beta2, step) if bias_correction else 1.0,
-        grad_scale,
-        stochastic_rounding,
-        seed,
-        step,
-        list(counter_offsets),
-    )
+    try:
+        op(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            outs,
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            adamw_mode,
+            _bias_correction(beta1, step) if bias_correction else 1.0,
+            _bias_correction(beta2, step) if bias_correction else 1.0,
+            grad_scale,
+            stochastic_rounding,
+            seed,
+            step,
+            list(counter_offsets),
+        )
+    except Exception:
+        # The op checks everything; these checks only put a friendlier message on what it refused
+        # (per-tensor Python checks on every step cost more than the checks in C++).
+        _check_all(params, grads, exp_avgs, exp_avg_sqs, outs)
+        raise
 
 
 def _bias_correction(beta: float, step: int) -> float:
