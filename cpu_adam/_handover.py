@@ -76,6 +76,7 @@ def hand_over(
                 group.master[host].copy_(flat[part])
             _replace_storage(p, values.to(device=device, dtype=torch.bfloat16).contiguous())
         group.master_synced = not unwritten
+        group.note_versions()
     return unwritten
 
 

@@ -353,6 +353,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 for g, (group, hyper) in enumerate(zip(self._groups, hypers)):
                     if group is not None:
                         self._step_group(g, group, hyper)
+                        group.note_versions()  # the optimizer's own writes
                 event = self._dev.record()
             self._dev.compute_waits(event)
         self._grads.reset()
@@ -507,12 +508,19 @@ class OffloadOptimizer(torch.optim.Optimizer):
         return views
 
     def _sync_masters(self) -> None:
+        """Masters from the weights: all of them before the first step, then those written by others."""
         for group in self._groups:
-            if group is not None and not group.master_synced:
-                for b in range(len(group.layout.buckets)):
-                    for i, part, host in group.piece_segments(b):
+            if group is None:
+                continue
+            written = None if not group.master_synced else set(group.written_since())
+            if written == set():
+                continue
+            for b in range(len(group.layout.buckets)):
+                for i, part, host in group.piece_segments(b):
+                    if written is None or i in written:
                         group.master[host].copy_(group.weights(i)[part])
-                group.master_synced = True
+            group.master_synced = True
+            group.note_versions()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Discards the grads of the backward passes so far (a failed one's too): a new window begins."""
@@ -694,6 +702,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 with self._dev.side_stream():
                     for b in range(len(group.layout.buckets)):
                         self._transfers.up(group, b, [True] * len(group.params))
+                group.note_versions()
                 self._dev.synchronize()  # before the host buffer receives grads again
         for options, saved in zip(self.param_groups, saved_groups):
             options.update({k: v for k, v in saved.items() if k != "params"})

@@ -362,3 +362,26 @@ def test_a_later_group_whose_scalars_overflow_the_step_leaves_every_group_alone(
     after = [p.detach().clone() for p in model.parameters()] + [m.clone() for m in opt.master_weights()]
     assert all(torch.equal(a, b) for a, b in zip(before, after))
     assert all(n == 0 for group in opt._groups for n in group.steps)
+
+
+def test_weights_loaded_into_the_model_between_steps_are_trained_from():
+    # model.load_state_dict after training began: the step continues from the loaded weights
+    # (their masters taken again, the moments kept), never from masters the model no longer holds.
+    model = make_model(0)
+    tap = GradTap(list(model.parameters()))
+    opt = OffloadOptimizer(model.parameters(), **HYPER)
+    oracle = AdamWOracle([{"params": list(model.parameters())}], **ADAMW)
+    data = batches(5)
+    for tokens in data[:2]:
+        lm_loss(model, tokens).backward()
+        oracle.step(tap.take())
+        opt.step()
+    model.load_state_dict(make_model(5).state_dict())
+    with torch.no_grad():
+        for p in model.parameters():
+            oracle.master(p).copy_(p.float())
+    for tokens in data[2:]:
+        lm_loss(model, tokens).backward()
+        oracle.step(tap.take())
+        opt.step()
+        assert_matches_oracle(opt, list(model.parameters()), oracle)
