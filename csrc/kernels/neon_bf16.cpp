@@ -1,8 +1,9 @@
 // NEON kernel with the ARMv8.6 BF16 convert (BFCVTN) for round-to-nearest bf16
-// stores (Neoverse V1/V2/N2, Graviton 3 and later, Grace).
+// stores, for CPUs with BF16 and without SVE (where SVE exists, its kernels
+// come first).
 //
-// BFCVTN rounds to nearest even and quiets NaNs as the scalar code does. It
-// follows FPCR.FZ for denormal inputs; the kernel runs with FZ set
+// BFCVTN rounds to nearest even and quiets NaNs as the scalar code does. What it
+// does with denormal inputs does not matter: the kernel runs with FPCR.FZ set
 // (denormals.h), so no float it converts is denormal. Stochastic rounding keeps
 // the integer path: the narrowing store costs nothing extra there.
 #include "adam_kernel.h"

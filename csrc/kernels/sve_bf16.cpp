@@ -3,8 +3,8 @@
 //
 // BFCVT rounds to nearest even and quiets NaNs as the scalar code does, leaving
 // each result in the low half of its 32-bit lane, which is the half the
-// narrowing store keeps. It follows FPCR.FZ for denormal inputs; the kernel runs
-// with FZ set (denormals.h), so no float it converts is denormal.
+// narrowing store keeps. What it does with denormal inputs does not matter: the
+// kernel runs with FPCR.FZ set (denormals.h), so no float it converts is denormal.
 #include "adam_kernel.h"
 
 #if defined(CPU_ADAM_HAS_SVE)
