@@ -31,9 +31,14 @@ SOURCES = (
     "kernels/avx2.cpp",
     "kernels/avx512.cpp",
     "kernels/avx512_bf16.cpp",
+    "kernels/neon.cpp",
+    "kernels/neon_bf16.cpp",
+    "kernels/sve.cpp",
+    "kernels/sve_bf16.cpp",
 )
 # No -march=native: ISA code is enabled per file by target pragmas and chosen at
-# run time. -ffp-contract=off keeps every ISA bitwise equal to the scalar kernel.
+# run time (files for the other architecture compile to nothing). -ffp-contract=off
+# keeps every ISA bitwise equal to the scalar kernel.
 # -fopenmp: at::parallel_for is inlined from torch's headers and runs serially
 # unless OpenMP is on; torch ships libgomp.so.1, so the same runtime is shared.
 CXX_FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fvisibility=hidden", "-fopenmp")

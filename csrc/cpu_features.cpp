@@ -4,6 +4,19 @@
 #include <cpuid.h>
 
 #include <cstdint>
+#elif defined(__aarch64__) && defined(__linux__)
+#include <sys/auxv.h>
+
+// The bits as the Linux UAPI defines them, for C libraries whose headers lack them.
+#ifndef HWCAP_SVE
+#define HWCAP_SVE (1UL << 22)
+#endif
+#ifndef HWCAP2_SVEBF16
+#define HWCAP2_SVEBF16 (1UL << 12)
+#endif
+#ifndef HWCAP2_BF16
+#define HWCAP2_BF16 (1UL << 14)
+#endif
 #endif
 
 namespace cpu_adam {
@@ -39,7 +52,19 @@ CpuFeatures detect() {
   }
   return f;
 }
+#elif defined(__aarch64__) && defined(__linux__)
+// The kernel sets HWCAP_SVE only where it saves and restores SVE state.
+CpuFeatures detect() {
+  CpuFeatures f;
+  const unsigned long hwcap = getauxval(AT_HWCAP);
+  const unsigned long hwcap2 = getauxval(AT_HWCAP2);
+  f.neon_bf16 = (hwcap2 & HWCAP2_BF16) != 0;
+  f.sve = (hwcap & HWCAP_SVE) != 0;
+  f.sve_bf16 = f.sve && (hwcap2 & HWCAP2_SVEBF16) != 0;
+  return f;
+}
 #else
+// Elsewhere (macOS arm64 included) only the baseline: scalar, and NEON on AArch64.
 CpuFeatures detect() { return {}; }
 #endif
 

@@ -15,6 +15,13 @@ bool has_avx2() { return cpu_features().avx2; }
 bool has_avx512() { return cpu_features().avx512; }
 bool has_avx512_bf16() { return cpu_features().avx512_bf16; }
 #endif
+#if defined(CPU_ADAM_HAS_NEON_BF16)
+bool has_neon_bf16() { return cpu_features().neon_bf16; }
+#endif
+#if defined(CPU_ADAM_HAS_SVE)
+bool has_sve() { return cpu_features().sve; }
+bool has_sve_bf16() { return cpu_features().sve_bf16; }
+#endif
 
 const Isa& find_supported(const std::string& name) {
   std::string known;
@@ -55,6 +62,17 @@ const std::vector<Isa>& compiled_isas() {
 #if defined(__x86_64__) || defined(_M_X64)
       {"avx512", adam_avx512, has_avx512},
       {"avx2", adam_avx2, has_avx2},
+#endif
+// AArch64: not yet timed on hardware. SVE first, as it is never narrower than NEON.
+#if defined(CPU_ADAM_HAS_SVE)
+      {"sve_bf16", adam_sve_bf16, has_sve_bf16},
+      {"sve", adam_sve, has_sve},
+#endif
+#if defined(CPU_ADAM_HAS_NEON_BF16)
+      {"neon_bf16", adam_neon_bf16, has_neon_bf16},
+#endif
+#if defined(__aarch64__)
+      {"neon", adam_neon, always},
 #endif
       {"scalar", adam_scalar, always},
   };

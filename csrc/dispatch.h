@@ -1,5 +1,6 @@
 // The kernel table: every ISA compiled into this binary, best first. The
-// default is chosen once, from cpuid or from CPU_ADAM_ISA.
+// default is chosen once, from the CPU (cpuid on x86-64, the auxiliary vector on
+// Linux/AArch64) or from CPU_ADAM_ISA.
 #pragma once
 
 #include <string>

@@ -174,11 +174,14 @@ def test_bf16_state_stores_round_like_torch(isa: str) -> None:
     assert_same_bits(exp_avg, (flushed(values) + 0.0).to(torch.bfloat16), f"{isa} bf16 moment rounding")
 
 
-def test_denormal_results_are_flushed_and_the_caller_mode_restored() -> None:
-    tiny = torch.full((1000,), 1e-30)
+def test_denormal_results_are_flushed_and_the_caller_mode_restored(isa: str) -> None:
+    grad = torch.full((1000,), 3e-19)
+    # Without flushing, (1 - beta2) * g * g (about 9e-41, in the kernel's order) is denormal, not 0.
+    unflushed = (1 - HYPER["beta2"]) * grad * grad
+    assert ((unflushed > 0) & (unflushed < torch.finfo(torch.float32).tiny)).all()
     param, exp_avg, exp_avg_sq = torch.ones(1000), torch.zeros(1000), torch.zeros(1000)
-    ops.adam_step([param], [tiny], [exp_avg], [exp_avg_sq], step=1, **HYPER)
-    # (1 - beta2) * g * g = 1e-63 underflows: flushed to zero rather than kept denormal.
+    ops.adam_step([param], [grad], [exp_avg], [exp_avg_sq], step=1, **HYPER)
+    # The kernel flushes it to zero; the first moment, far from underflow, stays.
     assert (exp_avg_sq == 0).all() and (exp_avg > 0).all()
     # The caller's own float math still keeps denormals.
     assert (torch.full((4,), 1e-30) * 1e-10 > 0).all()

@@ -7,7 +7,8 @@
 //
 // Bitwise equality across ISAs rests on: the same operation order for every
 // lane, no FMA contraction (-ffp-contract=off), correctly rounded sqrt and div,
-// and the scalar ops below handling the tails.
+// and the tails running either the scalar ops below or, on SVE, the same vector
+// ops with memory narrowed to the remaining lanes.
 #pragma once
 
 #include <cmath>
@@ -48,7 +49,7 @@ struct ScalarOps {
   using F = float;
   using U = uint32_t;
   using H = uint32_t;  // bf16 bits, in whatever form the ISA stores fastest
-  static constexpr int kWidth = 1;
+  static constexpr int64_t width() { return 1; }
 
   static F set1(float x) { return x; }
   static F load(const float* p) { return *p; }
@@ -88,18 +89,20 @@ struct ScalarOps {
 template <class T>
 constexpr bool is_bf16 = sizeof(T) == 2;
 
+// One vector of elements from i on. Memory goes through `ops`, which a kernel may
+// narrow to the first lanes (a predicated tail); the arithmetic runs on every lane.
 template <class V, class P, class G, class S, bool kProbe>
-inline void update(int64_t i, const Segment& s, const Hyper& h) {
+inline void update(int64_t i, const Segment& s, const Hyper& h, V ops = {}) {
   using F = typename V::F;
   using H = typename V::H;
   P* param = static_cast<P*>(s.param) + i;
   S* exp_avg = static_cast<S*>(s.exp_avg) + i;
   S* exp_avg_sq = static_cast<S*>(s.exp_avg_sq) + i;
 
-  F g = V::load(static_cast<const G*>(s.grad) + i);
-  F p = V::load(param);
-  F m = V::load(exp_avg);
-  F v = V::load(exp_avg_sq);
+  F g = ops.load(static_cast<const G*>(s.grad) + i);
+  F p = ops.load(param);
+  F m = ops.load(exp_avg);
+  F v = ops.load(exp_avg_sq);
   if (kProbe) {
     p = V::add(p, g);
     m = V::add(m, g);
@@ -115,22 +118,22 @@ inline void update(int64_t i, const Segment& s, const Hyper& h) {
   }
 
   if constexpr (is_bf16<S>) {
-    V::store16(exp_avg, V::bf16_nearest(m));
-    V::store16(exp_avg_sq, V::bf16_nearest(v));
+    ops.store16(exp_avg, V::bf16_nearest(m));
+    ops.store16(exp_avg_sq, V::bf16_nearest(v));
   } else {
-    V::store(exp_avg, m);
-    V::store(exp_avg_sq, v);
+    ops.store(exp_avg, m);
+    ops.store(exp_avg_sq, v);
   }
   // The output may alias a bf16 grad: the grad was loaded above.
   if constexpr (is_bf16<P>) {
     const H bits = h.stochastic_rounding
                        ? V::bf16_stochastic(p, V::random16(s.first_counter + static_cast<uint32_t>(i), s.rng_key))
                        : V::bf16_nearest(p);
-    V::store16(param, bits);
-    if (s.bf16_out) V::store16(s.bf16_out + i, bits);
+    ops.store16(param, bits);
+    if (s.bf16_out) ops.store16(s.bf16_out + i, bits);
   } else {
-    V::store(param, p);
-    if (s.bf16_out) V::store16(s.bf16_out + i, V::bf16_nearest(p));
+    ops.store(param, p);
+    if (s.bf16_out) ops.store16(s.bf16_out + i, V::bf16_nearest(p));
   }
 }
 
@@ -156,6 +159,14 @@ inline void prefetch_ahead(int64_t i, const Segment& s) {
   prefetch<S, 1>(s.exp_avg_sq, ahead);
 }
 
+// A kernel whose ops have `partial(lanes)` (SVE) runs its last, short vector
+// through ops that load and store only those lanes; the others finish with the
+// scalar ops, one element at a time.
+template <class V, class = void>
+constexpr bool kHasPartial = false;
+template <class V>
+constexpr bool kHasPartial<V, decltype(void(V::partial(int64_t{1})))> = true;
+
 template <class V, class P, class G, class S, bool kProbe>
 void run_segment(const Segment& segment, const Hyper& hyper) {
   // Local copies: the compiler cannot prove that stores through the data
@@ -163,13 +174,26 @@ void run_segment(const Segment& segment, const Hyper& hyper) {
   // (and re-test every flag) on every iteration.
   const Segment s = segment;
   const Hyper h = hyper;
+  // A compile-time constant on x86 and NEON; read from the CPU on SVE. Each
+  // group of vectors covers whole lines, with one prefetch per line.
+  const int64_t width = V::width();
+  const int64_t group = (kLineElements + width - 1) / width * width;
   int64_t i = 0;
-  for (; i + kLineElements <= s.n; i += kLineElements) {
+  for (; i + group <= s.n; i += group) {
     prefetch_ahead<P, G, S>(i, s);
-    for (int64_t j = i; j < i + kLineElements; j += V::kWidth) update<V, P, G, S, kProbe>(j, s, h);
+    // Only vectors wider than a line (SVE from 1024 bits) span more lines; where the
+    // width is a constant, this folds away and the loop is the one it always was.
+    if (group > kLineElements) {
+      for (int64_t line = i + kLineElements; line < i + group; line += kLineElements) prefetch_ahead<P, G, S>(line, s);
+    }
+    for (int64_t j = i; j < i + group; j += width) update<V, P, G, S, kProbe>(j, s, h);
   }
-  for (; i + V::kWidth <= s.n; i += V::kWidth) update<V, P, G, S, kProbe>(i, s, h);
-  for (; i < s.n; ++i) update<ScalarOps, P, G, S, kProbe>(i, s, h);
+  for (; i + width <= s.n; i += width) update<V, P, G, S, kProbe>(i, s, h);
+  if constexpr (kHasPartial<V>) {
+    if (i < s.n) update<decltype(V::partial(1)), P, G, S, kProbe>(i, s, h, V::partial(s.n - i));
+  } else {
+    for (; i < s.n; ++i) update<ScalarOps, P, G, S, kProbe>(i, s, h);
+  }
 }
 
 template <class V, bool kProbe>

@@ -54,6 +54,18 @@ void adam_avx512(const Segment&, Layout, const Hyper&);
 #define CPU_ADAM_HAS_AVX512_BF16 1
 void adam_avx512_bf16(const Segment&, Layout, const Hyper&);
 #endif
+#elif defined(__aarch64__)
+void adam_neon(const Segment&, Layout, const Hyper&);
+// The bf16 and SVE kernels need intrinsics that work under a target pragma
+// (GCC 11, Clang 16), and the auxiliary vector to detect them at run time.
+#if defined(__linux__) && \
+    ((defined(__clang__) && __clang_major__ >= 16) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
+#define CPU_ADAM_HAS_NEON_BF16 1
+#define CPU_ADAM_HAS_SVE 1
+void adam_neon_bf16(const Segment&, Layout, const Hyper&);
+void adam_sve(const Segment&, Layout, const Hyper&);
+void adam_sve_bf16(const Segment&, Layout, const Hyper&);
+#endif
 #endif
 
 }  // namespace cpu_adam

@@ -18,7 +18,7 @@ struct Avx2Ops {
   using F = __m256;
   using U = __m256i;
   using H = __m256i;
-  static constexpr int kWidth = 8;
+  static constexpr int64_t width() { return 8; }
 
   static U splat(uint32_t x) { return _mm256_set1_epi32(static_cast<int>(x)); }
   static F set1(float x) { return _mm256_set1_ps(x); }

@@ -11,7 +11,7 @@ struct Avx512Ops {
   using F = __m512;
   using U = __m512i;
   using H = __m512i;
-  static constexpr int kWidth = 16;
+  static constexpr int64_t width() { return 16; }
 
   static U splat(uint32_t x) { return _mm512_set1_epi32(static_cast<int>(x)); }
   static F set1(float x) { return _mm512_set1_ps(x); }

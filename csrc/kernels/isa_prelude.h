@@ -1,11 +1,18 @@
-// Included by every x86 ISA file before its target pragma, so that no standard
+// Included by every ISA file before its target pragma, so that no standard
 // or torch-free header is compiled under a foreign target.
 #pragma once
 
+#include "adam_kernel.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
+#elif defined(__aarch64__)
+#include <arm_neon.h>
+#if defined(CPU_ADAM_HAS_SVE)
+#include <arm_sve.h>
+#endif
+#endif
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-
-#include "adam_kernel.h"

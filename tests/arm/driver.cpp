@@ -1,0 +1,619 @@
+// A torch-free driver of the kernels, built for x86-64 and for AArch64 (run
+// there under qemu-aarch64 by run.sh):
+// - every ISA this CPU supports against the scalar kernel, bit for bit (NaNs
+//   compared as NaNs), with flushed denormals as a step runs them, and on every
+//   array past its end (guard zones: predicated tails must not write there);
+// - steps flush denormals, and the caller's mode comes back after them;
+// - the scalar kernel's results written to a file (one architecture) or checked
+//   against one (the other), with and without flushing.
+//
+//   driver [--write-reference FILE | --check-reference FILE]
+//          [--expect-isas LIST] [--expect-active NAME] [--expect-sve-bits N]
+//
+// Inputs come from a seeded integer generator, so both architectures see the
+// same bits; hyper-parameters are folded in double as ops.cpp folds them, with
+// powers taken by repeated multiplication rather than from libm.
+#include <algorithm>
+#include <cinttypes>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <iterator>
+#include <limits>
+#include <string>
+#include <vector>
+
+#if defined(__aarch64__) && defined(__linux__)
+#include <sys/prctl.h>
+#endif
+
+#include "denormals.h"
+#include "dispatch.h"
+
+namespace {
+
+using cpu_adam::DType;
+using cpu_adam::Hyper;
+using cpu_adam::Isa;
+using cpu_adam::KernelFn;
+using cpu_adam::Layout;
+using cpu_adam::Segment;
+
+#if defined(__aarch64__)
+constexpr const char* kArch = "aarch64";
+#elif defined(__x86_64__) || defined(_M_X64)
+constexpr const char* kArch = "x86_64";
+#else
+constexpr const char* kArch = "other";
+#endif
+
+int failures = 0;
+int checks_passed = 0;
+
+void fail(const std::string& what) {
+  if (++failures <= 20) std::printf("FAIL %s\n", what.c_str());
+}
+
+// ---- inputs ----
+
+struct Rng {
+  uint64_t state;
+  uint64_t next() {
+    uint64_t z = (state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  }
+  uint32_t u32() { return static_cast<uint32_t>(next() >> 32); }
+  int range(int lo, int hi) { return lo + static_cast<int>(next() % static_cast<uint64_t>(hi - lo + 1)); }
+};
+
+// A float with a random sign and mantissa and an exponent in [lo, hi].
+uint32_t float_with_exponent(Rng& r, int lo, int hi, bool positive = false) {
+  const uint32_t sign = positive ? 0 : (r.u32() & 0x80000000u);
+  const uint32_t exponent = static_cast<uint32_t>(r.range(lo, hi) + 127);
+  return sign | exponent << 23 | (r.u32() & 0x7FFFFFu);
+}
+
+// Bit patterns over the whole range: NaNs, infinities, denormals, ties to even.
+uint32_t special_float(Rng& r) {
+  switch (r.range(0, 9)) {
+    case 0:
+      return r.u32() & 0x807FFFFFu;  // denormal or zero
+    case 1: {
+      static const uint32_t edges[] = {0x00000000u, 0x80000000u, 0x7F800000u, 0xFF800000u, 0x7F7FFFFFu,
+                                       0x7F7F8000u, 0x7F7F7FFFu, 0x00800000u, 0x00008000u, 0x00000001u,
+                                       0x7FC00000u, 0x7F800001u, 0xFFC00001u, 0x7FFFFFFFu};
+      return edges[r.range(0, sizeof edges / sizeof edges[0] - 1)];
+    }
+    case 2:
+      return (r.u32() & 0xFFFF0000u) | 0x8000u;  // halfway between two bf16 values
+    case 3:
+      return (r.u32() & 0xFFFF0000u) | (r.range(0, 1) ? 0x7FFFu : 0x8001u);
+    case 4:
+      return float_with_exponent(r, -126, -110);
+    default:
+      return r.u32();
+  }
+}
+
+enum class Data { random, tiny, special };
+const char* data_name(Data d) { return d == Data::random ? "random" : d == Data::tiny ? "tiny" : "special"; }
+
+struct Values {
+  uint32_t param, grad, exp_avg, exp_avg_sq;
+};
+
+// "random": magnitudes over many binades, as tests/test_kernel.py makes them;
+// "tiny": grads near 1e-19, where (1 - beta2) * g * g is denormal or just above;
+// "special": any bit pattern in any array.
+Values make_values(Data data, Rng& r) {
+  switch (data) {
+    case Data::random: {
+      const int scale = r.range(-20, 3);
+      return {float_with_exponent(r, -2, 1), float_with_exponent(r, scale - 1, scale),
+              float_with_exponent(r, scale - 5, scale - 3), float_with_exponent(r, 2 * scale - 2, 2 * scale, true)};
+    }
+    case Data::tiny: {
+      const uint32_t v = r.range(0, 3) == 0 ? 0u : float_with_exponent(r, -126, -112, true);
+      return {float_with_exponent(r, -2, 1), float_with_exponent(r, -66, -58), float_with_exponent(r, -70, -62), v};
+    }
+    default:
+      return {special_float(r), special_float(r), special_float(r), special_float(r)};
+  }
+}
+
+// One array with guard zones on both sides, its elements `offset` elements
+// past the guard (misaligned pointers).
+constexpr int64_t kGuard = 80;  // more than the widest vector (64 lanes)
+constexpr unsigned char kGuardByte = 0xA5;
+
+struct Array {
+  int size = 4;
+  int64_t n = 0;
+  int64_t start = 0;
+  std::vector<unsigned char> bytes;
+
+  Array() = default;
+  Array(DType type, int64_t count, int offset)
+      : size(type == DType::bf16 ? 2 : 4),
+        n(count),
+        start(kGuard + offset),
+        bytes(static_cast<size_t>((kGuard + offset + count + kGuard) * size), kGuardByte) {}
+  void* data() { return bytes.data() + start * size; }
+  uint32_t get(int64_t i) const {
+    uint32_t u = 0;
+    std::memcpy(&u, bytes.data() + (start + i) * size, static_cast<size_t>(size));
+    return u;
+  }
+  // A float's bits stored in this array's dtype (bf16: the upper half).
+  void set_float(int64_t i, uint32_t bits) {
+    const uint32_t u = size == 2 ? bits >> 16 : bits;
+    std::memcpy(bytes.data() + (start + i) * size, &u, static_cast<size_t>(size));
+  }
+  bool is_nan(int64_t i) const {
+    const uint32_t u = get(i);
+    return size == 2 ? (u & 0x7FFFu) > 0x7F80u : (u & 0x7FFFFFFFu) > 0x7F800000u;
+  }
+};
+
+// ---- cases ----
+
+struct Variant {
+  const char* name;
+  int step;
+  double lr, beta1, beta2, eps, weight_decay;
+  bool adamw, bias_correction;
+  double grad_scale;
+  bool out, out_is_grad, stochastic, probe;
+};
+
+const Variant kVariants[] = {
+    {"plain", 1, 1e-2, 0.9, 0.999, 1e-8, 0.0, true, true, 1.0, false, false, false, false},
+    {"adamw+grad_scale+out", 3, 1e-2, 0.9, 0.999, 1e-8, 0.1, true, true, 0.37, true, false, false, false},
+    {"l2+no_bias_correction+out", 7, 1e-2, 0.9, 0.999, 1e-8, 0.1, false, false, 1.0, true, false, false, false},
+    {"stochastic+out", 2, 1e-3, 0.9, 0.999, 1e-8, 0.01, true, true, 1.0, true, false, true, false},
+    {"stochastic+out=grad", 5, 1e-3, 0.8, 0.99, 1e-6, 0.0, true, true, 2.0, true, true, true, false},
+    {"probe+out", 1, 0.0, 0.0, 0.0, 0.0, 0.0, true, true, 1.0, true, false, false, true},
+};
+
+// Around every vector width (4 to 64 lanes) and its tails, one or two line
+// groups (16 elements, or one vector when wider) and what follows them.
+const int64_t kSizes[] = {0,  1,  2,  3,  4,  5,  6,  7,  8,  9,  11, 12, 13, 15,  16,  17,  20,  24,
+                          31, 32, 33, 47, 48, 49, 63, 64, 65, 80, 95, 96, 97, 100, 127, 128, 129, 130};
+// Longer runs, on the random inputs only.
+const int64_t kLongSizes[] = {1000, 4097};
+
+const DType kTypes[] = {DType::f32, DType::bf16};
+
+struct Case {
+  Data data;
+  Layout layout;
+  const Variant* variant;
+  int64_t n;
+  int offset;
+  uint32_t first_counter, key;
+  uint64_t seed;
+};
+
+std::string describe(const Case& c) {
+  auto t = [](DType d) { return d == DType::bf16 ? "bf16" : "f32"; };
+  char text[256];
+  std::snprintf(text, sizeof text, "%s %s/%s/%s %s n=%" PRId64 " offset=%d counter=%" PRIu32, data_name(c.data),
+                t(c.layout.param), t(c.layout.grad), t(c.layout.state), c.variant->name, c.n, c.offset,
+                c.first_counter);
+  return text;
+}
+
+std::vector<Case> all_cases() {
+  std::vector<Case> cases;
+  Rng r{12345};
+  for (const Data data : {Data::random, Data::tiny, Data::special}) {
+    for (const DType p : kTypes) {
+      for (const DType g : kTypes) {
+        for (const DType s : kTypes) {
+          for (const Variant& v : kVariants) {
+            std::vector<int64_t> sizes(std::begin(kSizes), std::end(kSizes));
+            if (data == Data::random) sizes.insert(sizes.end(), std::begin(kLongSizes), std::end(kLongSizes));
+            for (const int64_t n : sizes) {
+              Case c{data, {p, g, s}, &v, n, static_cast<int>(cases.size() % 3), 0, 0, r.next()};
+              if (v.stochastic) {
+                // Segments never wrap the 32-bit counter (ops.cpp splits them), and start even.
+                const uint32_t top = static_cast<uint32_t>((uint64_t{1} << 32) - static_cast<uint64_t>(n)) & ~1u;
+                const uint32_t choices[] = {0u, 2u, 0x12345678u, top};
+                c.first_counter = choices[cases.size() % 4];
+                c.key = r.u32();
+              }
+              cases.push_back(c);
+            }
+          }
+        }
+      }
+    }
+  }
+  return cases;
+}
+
+// Folded in double as ops.cpp folds them, then rounded once to float.
+Hyper make_hyper(const Variant& v) {
+  Hyper h{};
+  if (v.probe) {
+    h.probe = true;
+    return h;
+  }
+  double beta1_t = 1.0, beta2_t = 1.0;
+  for (int i = 0; i < v.step; ++i) {
+    beta1_t *= v.beta1;
+    beta2_t *= v.beta2;
+  }
+  const double bc1 = v.bias_correction ? 1.0 - beta1_t : 1.0;
+  const double bc2 = v.bias_correction ? 1.0 - beta2_t : 1.0;
+  h.step_size = static_cast<float>(v.lr / bc1);
+  h.inv_bc2_sqrt = static_cast<float>(1.0 / std::sqrt(bc2));
+  h.eps = std::max(static_cast<float>(v.eps), std::numeric_limits<float>::min());
+  h.decay = static_cast<float>(v.adamw ? 1.0 - v.lr * v.weight_decay : 1.0);
+  h.l2 = static_cast<float>(v.adamw ? 0.0 : v.weight_decay);
+  h.grad_scale = static_cast<float>(v.grad_scale);
+  h.one_minus_beta1 = static_cast<float>(1.0 - v.beta1);
+  h.beta2 = static_cast<float>(v.beta2);
+  h.one_minus_beta2 = static_cast<float>(1.0 - v.beta2);
+  h.stochastic_rounding = v.stochastic;
+  return h;
+}
+
+// param, grad, exp_avg, exp_avg_sq, out (empty when the case has none or it is the grad).
+struct Tuple {
+  Array a[5];
+};
+
+Tuple make_inputs(const Case& c) {
+  Tuple t;
+  const DType types[] = {c.layout.param, c.layout.grad, c.layout.state, c.layout.state, DType::bf16};
+  for (int k = 0; k < 4; ++k) t.a[k] = Array(types[k], c.n, c.offset);
+  if (c.variant->out && !(c.variant->out_is_grad && c.layout.grad == DType::bf16)) {
+    t.a[4] = Array(DType::bf16, c.n, c.offset);
+  }
+  Rng r{c.seed};
+  for (int64_t i = 0; i < c.n; ++i) {
+    const Values v = make_values(c.data, r);
+    t.a[0].set_float(i, v.param);
+    t.a[1].set_float(i, v.grad);
+    t.a[2].set_float(i, v.exp_avg);
+    t.a[3].set_float(i, v.exp_avg_sq);
+  }
+  return t;
+}
+
+enum class Mode { flushed, unflushed };
+
+Tuple run_case(KernelFn kernel, const Case& c, const Tuple& inputs, Mode mode) {
+  Tuple t = inputs;
+  Segment s{};
+  s.param = t.a[0].data();
+  s.grad = t.a[1].data();
+  s.exp_avg = t.a[2].data();
+  s.exp_avg_sq = t.a[3].data();
+  // The output is its own array, or the bf16 grad itself.
+  s.bf16_out = nullptr;
+  if (c.variant->out) s.bf16_out = static_cast<uint16_t*>(t.a[4].bytes.empty() ? t.a[1].data() : t.a[4].data());
+  s.n = c.n;
+  s.first_counter = c.first_counter;
+  s.rng_key = c.key;
+  const Hyper h = make_hyper(*c.variant);
+  if (mode == Mode::flushed) {
+    const cpu_adam::ScopedFlushDenormals flush;
+    kernel(s, c.layout, h);
+  } else {
+    kernel(s, c.layout, h);
+  }
+  return t;
+}
+
+const char* kArrayNames[] = {"param", "grad", "exp_avg", "exp_avg_sq", "out"};
+
+// Nothing written before or after any array (the guard zones as they were made).
+bool guards_untouched(const Tuple& result, const Tuple& inputs, const std::string& what) {
+  for (int k = 0; k < 5; ++k) {
+    const Array& a = result.a[k];
+    const Array& e = inputs.a[k];
+    if (a.bytes.empty()) continue;
+    const size_t begin = static_cast<size_t>(a.start * a.size), end = static_cast<size_t>((a.start + a.n) * a.size);
+    if (std::memcmp(a.bytes.data(), e.bytes.data(), begin) != 0 ||
+        std::memcmp(a.bytes.data() + end, e.bytes.data() + end, a.bytes.size() - end) != 0) {
+      fail(what + ": written outside " + kArrayNames[k]);
+      return false;
+    }
+  }
+  return true;
+}
+
+// Elements equal bit for bit or both NaN.
+bool same_results(const Tuple& actual, const Tuple& expected, const std::string& what) {
+  for (int k = 0; k < 5; ++k) {
+    const Array& a = actual.a[k];
+    const Array& e = expected.a[k];
+    if (a.bytes.empty()) continue;
+    const size_t begin = static_cast<size_t>(a.start * a.size), end = static_cast<size_t>((a.start + a.n) * a.size);
+    if (std::memcmp(a.bytes.data() + begin, e.bytes.data() + begin, end - begin) == 0) continue;
+    for (int64_t i = 0; i < a.n; ++i) {
+      if (a.get(i) != e.get(i) && !(a.is_nan(i) && e.is_nan(i))) {
+        char text[96];
+        std::snprintf(text, sizeof text, " element %" PRId64 ": 0x%08" PRIx32 " vs 0x%08" PRIx32, i, a.get(i),
+                      e.get(i));
+        fail(what + ": " + kArrayNames[k] + text);
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+// ---- the scalar kernel's results across architectures ----
+
+// Every element of every written array, NaNs made one NaN.
+void append_canonical(const Tuple& t, std::vector<unsigned char>& out) {
+  for (int k = 0; k < 5; ++k) {
+    const Array& a = t.a[k];
+    if (a.bytes.empty()) continue;
+    const size_t at = out.size();
+    out.insert(out.end(), a.bytes.begin() + a.start * a.size, a.bytes.begin() + (a.start + a.n) * a.size);
+    for (int64_t i = 0; i < a.n; ++i) {
+      if (!a.is_nan(i)) continue;
+      const uint32_t nan = a.size == 2 ? 0x7FC0u : 0x7FC00000u;
+      std::memcpy(out.data() + at + static_cast<size_t>(i * a.size), &nan, static_cast<size_t>(a.size));
+    }
+  }
+}
+
+bool read_file(const char* path, std::vector<unsigned char>& bytes) {
+  FILE* f = std::fopen(path, "rb");
+  if (!f) return false;
+  unsigned char chunk[1 << 16];
+  size_t got;
+  while ((got = std::fread(chunk, 1, sizeof chunk, f)) > 0) bytes.insert(bytes.end(), chunk, chunk + got);
+  std::fclose(f);
+  return true;
+}
+
+// ---- flush-to-zero ----
+
+// Not inlined, its product stored through a volatile: the compiler may not move
+// the multiplication out of the flushing scope of its caller.
+__attribute__((noinline)) float multiply(float a, float b) {
+  volatile float x = a, y = b;
+  volatile float product = x * y;
+  return product;
+}
+
+float from_bits(uint32_t u) {
+  float x;
+  std::memcpy(&x, &u, sizeof x);
+  return x;
+}
+
+uint32_t to_bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  return u;
+}
+
+void check_flushing(const std::vector<const Isa*>& isas) {
+  // (1 - beta2) * g * g = 1e-3 * 3e-19 * 3e-19 = 9e-41: denormal, not zero.
+  const Variant& plain = kVariants[0];
+  Case c{Data::random, {DType::f32, DType::f32, DType::f32}, &plain, 100, 0, 0, 0, 0};
+  Tuple inputs = make_inputs(c);
+  for (int64_t i = 0; i < c.n; ++i) {
+    inputs.a[0].set_float(i, to_bits(1.0f));
+    inputs.a[1].set_float(i, to_bits(3e-19f));
+    inputs.a[2].set_float(i, 0);
+    inputs.a[3].set_float(i, 0);
+  }
+  const Isa& scalar = *isas.back();
+  const float unflushed = from_bits(run_case(scalar.kernel, c, inputs, Mode::unflushed).a[3].get(0));
+  if (!(unflushed > 0 && unflushed < std::numeric_limits<float>::min())) {
+    fail("flush test input: exp_avg_sq is not denormal without flushing");
+  }
+  for (const Isa* isa : isas) {
+    const Tuple t = run_case(isa->kernel, c, inputs, Mode::flushed);
+    bool flushed = true;
+    for (int64_t i = 0; i < c.n; ++i) flushed &= t.a[3].get(i) == 0 && from_bits(t.a[2].get(i)) > 0;
+    if (!flushed) fail(std::string(isa->name) + ": a denormal exp_avg_sq was stored while flushing");
+  }
+  // A denormal input counts as zero while flushing: 1e-39 * 2^100 would be normal.
+  {
+    const cpu_adam::ScopedFlushDenormals flush;
+    if (multiply(1e-39f, 1.2676506e30f) != 0) fail("a denormal input was not read as zero while flushing");
+    if (multiply(1e-20f, 1e-20f) != 0) fail("a denormal product was kept while flushing");
+  }
+  // The caller's mode is back: its own float math keeps denormals.
+  if (!(multiply(1e-20f, 1e-20f) > 0)) fail("the caller's denormals mode was not restored");
+  // A product just below 2^-126 that rounds up to it: x86 decides tininess after
+  // rounding and keeps 2^-126, ARM before rounding and flushes it.
+  const float a = from_bits(0x20000001u);  // (1 + 2^-23) * 2^-63
+  const float b = from_bits(0x1FFFFFFEu);  // (1 - 2^-23) * 2^-63 (product: 2^-126 * (1 - 2^-46))
+  float edge;
+  {
+    const cpu_adam::ScopedFlushDenormals flush;
+    edge = multiply(a, b);
+  }
+  const bool arm = std::strcmp(kArch, "aarch64") == 0;
+  std::printf("flush edge: 2^-126 * (1 - 2^-46), flushed, gives 0x%08" PRIx32 " on %s\n", to_bits(edge), kArch);
+  if (to_bits(edge) != to_bits(arm ? 0.0f : std::numeric_limits<float>::min())) {
+    fail("the flush edge did not give this architecture's result");
+  }
+  if (multiply(a, b) != std::numeric_limits<float>::min()) fail("the flush edge without flushing is not 2^-126");
+  if (failures == 0) ++checks_passed;
+}
+
+long sve_vector_bits() {
+#if defined(__aarch64__) && defined(__linux__) && defined(PR_SVE_GET_VL)
+  const int vl = prctl(PR_SVE_GET_VL);
+  return vl < 0 ? 0 : (vl & PR_SVE_VL_LEN_MASK) * 8L;
+#else
+  return 0;
+#endif
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const char* write_path = nullptr;
+  const char* check_path = nullptr;
+  const char* expect_isas = nullptr;
+  const char* expect_active = nullptr;
+  const char* only = nullptr;
+  bool run_cases = true;
+  long expect_sve_bits = -1;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--detect-only") {
+      run_cases = false;
+      continue;
+    }
+    if (i + 1 >= argc) {
+      std::fprintf(stderr,
+                   "usage: %s [--write-reference F | --check-reference F] [--expect-isas LIST] "
+                   "[--expect-active NAME] [--expect-sve-bits N]\n",
+                   argv[0]);
+      return 2;
+    }
+    const char* value = argv[++i];
+    if (arg == "--write-reference")
+      write_path = value;
+    else if (arg == "--check-reference")
+      check_path = value;
+    else if (arg == "--expect-isas")
+      expect_isas = value;
+    else if (arg == "--expect-active")
+      expect_active = value;
+    else if (arg == "--isas")
+      only = value;
+    else if (arg == "--expect-sve-bits")
+      expect_sve_bits = std::strtol(value, nullptr, 10);
+    else {
+      std::fprintf(stderr, "unknown argument %s\n", arg.c_str());
+      return 2;
+    }
+  }
+
+  // Supported ISAs, best first; the scalar kernel last.
+  std::vector<const Isa*> isas;
+  std::string names;
+  for (const Isa& isa : cpu_adam::compiled_isas()) {
+    if (!isa.supported()) continue;
+    isas.push_back(&isa);
+    names += (names.empty() ? "" : ",") + std::string(isa.name);
+  }
+  std::string active;
+  try {
+    active = cpu_adam::active_isa().name;
+  } catch (const std::exception& e) {
+    active = "error";
+    std::printf("%s\n", e.what());
+  }
+  const long sve_bits = sve_vector_bits();
+  std::printf("%s: supported ISAs %s; active %s; SVE vector %ld bits\n", kArch, names.c_str(), active.c_str(),
+              sve_bits);
+  if (expect_isas) {
+    if (names != expect_isas)
+      fail("supported ISAs " + names + ", expected " + expect_isas);
+    else
+      ++checks_passed;
+  }
+  if (expect_active) {
+    if (active != expect_active) {
+      fail("active ISA " + active + ", expected " + expect_active);
+    } else {
+      ++checks_passed;
+    }
+  }
+  if (expect_sve_bits >= 0) {
+    if (sve_bits != expect_sve_bits)
+      fail("SVE vector of " + std::to_string(sve_bits) + " bits");
+    else
+      ++checks_passed;
+  }
+  if (isas.empty() || std::string(isas.back()->name) != "scalar") {
+    fail("the scalar kernel is not last in the table");
+    return 1;
+  }
+
+  if (!run_cases) {
+    std::printf("driver %s: %d passed, %d failed\n", kArch, checks_passed, failures);
+    return failures ? 1 : 0;
+  }
+  check_flushing(isas);
+
+  // --isas LIST: compare only these (the SVE kernels at each further vector length).
+  auto selected = [&](const char* name) {
+    return !only || ("," + std::string(only) + ",").find("," + std::string(name) + ",") != std::string::npos;
+  };
+  const std::vector<Case> cases = all_cases();
+  const KernelFn scalar = isas.back()->kernel;
+  // The scalar results, canonical, flushed [0] and not [1]; where each case's begin.
+  std::vector<unsigned char> reference[2];
+  std::vector<size_t> case_begin[2];
+  std::vector<long> compared(isas.size(), 0);
+  for (const Case& c : cases) {
+    const Tuple inputs = make_inputs(c);
+    const Tuple expected = run_case(scalar, c, inputs, Mode::flushed);
+    guards_untouched(expected, inputs, "scalar " + describe(c));
+    for (size_t k = 0; k + 1 < isas.size(); ++k) {
+      if (!selected(isas[k]->name)) continue;
+      const Tuple actual = run_case(isas[k]->kernel, c, inputs, Mode::flushed);
+      const std::string what = std::string(isas[k]->name) + " " + describe(c);
+      if (guards_untouched(actual, inputs, what) && same_results(actual, expected, what)) ++compared[k];
+    }
+    for (int m = 0; m < 2; ++m) case_begin[m].push_back(reference[m].size());
+    append_canonical(expected, reference[0]);
+    append_canonical(run_case(scalar, c, inputs, Mode::unflushed), reference[1]);
+  }
+  for (size_t k = 0; k + 1 < isas.size(); ++k) {
+    if (!selected(isas[k]->name)) continue;
+    std::printf("%s: %ld of %zu cases bitwise equal to scalar\n", isas[k]->name, compared[k], cases.size());
+    if (compared[k] == static_cast<long>(cases.size())) ++checks_passed;
+  }
+
+  if (write_path) {
+    FILE* f = std::fopen(write_path, "wb");
+    bool ok = f != nullptr;
+    for (int m = 0; ok && m < 2; ++m) {
+      ok = std::fwrite(reference[m].data(), 1, reference[m].size(), f) == reference[m].size();
+    }
+    if (f) std::fclose(f);
+    if (!ok) fail(std::string("cannot write ") + write_path);
+    std::printf("wrote the scalar results of %zu cases, flushed and not, to %s\n", cases.size(), write_path);
+  }
+  if (check_path) {
+    std::vector<unsigned char> theirs;
+    if (!read_file(check_path, theirs) || theirs.size() != reference[0].size() + reference[1].size()) {
+      fail(std::string("cannot read ") + check_path + " or it holds other cases");
+    } else {
+      const char* mode_names[] = {"flushed", "unflushed"};
+      for (int m = 0; m < 2; ++m) {
+        const unsigned char* other = theirs.data() + (m == 0 ? 0 : reference[0].size());
+        long differing = 0;
+        for (size_t i = 0; i < cases.size(); ++i) {
+          const size_t begin = case_begin[m][i];
+          const size_t end = i + 1 < cases.size() ? case_begin[m][i + 1] : reference[m].size();
+          if (std::memcmp(reference[m].data() + begin, other + begin, end - begin) == 0) continue;
+          if (++differing <= 5) std::printf("  differs (%s): %s\n", mode_names[m], describe(cases[i]).c_str());
+        }
+        std::printf("scalar %s vs %s: %ld of %zu cases differ (%s)\n", kArch, check_path, differing, cases.size(),
+                    mode_names[m]);
+        // Flushed, the architectures may differ only on a result that rounds up to
+        // 2^-126 (see check_flushing); these inputs make none.
+        if (differing)
+          fail(std::string("scalar results differ across architectures, ") + mode_names[m]);
+        else
+          ++checks_passed;
+      }
+    }
+  }
+
+  std::printf("driver %s: %d passed, %d failed\n", kArch, checks_passed, failures);
+  return failures ? 1 : 0;
+}
