@@ -49,6 +49,9 @@ class GroupBuffers:
         # after the optimizer was built are the ones trained.
         self.master = torch.zeros(n, dtype=master_dtype)
         self.master_synced = False
+        # The params' version counters when weights and masters last agreed: a param written since
+        # by someone else (model.load_state_dict, an in-place init) has its master taken again.
+        self.versions: list[int] = []
         self.exp_avg = torch.zeros(n, dtype=state_dtype)
         self.exp_avg_sq = torch.zeros(n, dtype=state_dtype)
         self.grads: HostBuffer = dev.host_buffer(n, torch.bfloat16)  # grads down, then weights up
@@ -64,6 +67,14 @@ class GroupBuffers:
         self.chunk_plans: dict[tuple[int, int], list[tuple[int, slice, slice, int]]] = {}
         self.kernel_lists: dict[tuple[int, int], tuple[list[Tensor], ...]] = {}
         self.storage: list[int] = []
+
+    def note_versions(self) -> None:
+        """The weights and the masters agree now (synced, or the optimizer just wrote the weights)."""
+        self.versions = [p._version for p in self.params]
+
+    def written_since(self) -> list[int]:
+        """Params whose weights someone else wrote since ``note_versions``."""
+        return [i for i, (p, seen) in enumerate(zip(self.params, self.versions)) if p._version != seen]
 
     def weights(self, i: int) -> Tensor:
         """Param ``i``'s own storage, flat."""
