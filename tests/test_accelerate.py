@@ -6,8 +6,6 @@ What a training script does with it: ``prepare``, ``accumulate``, ``backward``,
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,6 +17,7 @@ pytest.importorskip("transformers")
 
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
+from example_scripts import run_and_resume
 from tiny_gpt2 import tiny_gpt2, token_batches
 
 from cpu_adam import CPUAdam, OffloadOptimizer
@@ -136,12 +135,4 @@ def test_save_state_and_load_state_resume_exactly(kind: str, tmp_path: Path):
 
 
 def test_the_example_runs_and_resumes(tmp_path: Path):
-    example = Path(__file__).resolve().parents[1] / "examples" / "accelerate_train.py"
-    for extra in ([], ["--resume"]):
-        run = subprocess.run(
-            [sys.executable, str(example), *["--steps", "4"], "--out", str(tmp_path / "run"), *extra],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert run.returncode == 0, run.stderr[-3000:]
+    run_and_resume("accelerate_train.py", tmp_path / "run", ["--steps", "4"], ["--steps", "4"])

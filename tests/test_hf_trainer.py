@@ -7,8 +7,6 @@ and safetensors weights.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +16,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+from example_scripts import run_and_resume
 from tiny_gpt2 import TokenDataset, tiny_gpt2
 from transformers import GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
@@ -171,12 +170,4 @@ def test_offload_optimizer_built_by_trainer_gets_its_param_groups(tmp_path: Path
 
 
 def test_the_example_runs_and_resumes(tmp_path: Path):
-    example = Path(__file__).resolve().parents[1] / "examples" / "hf_trainer.py"
-    for extra in ([], ["--resume"]):
-        run = subprocess.run(
-            [sys.executable, str(example), *["--steps", "4"], "--out", str(tmp_path / "run"), *extra],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert run.returncode == 0, run.stderr[-3000:]
+    run_and_resume("hf_trainer.py", tmp_path / "run", ["--steps", "4"], ["--steps", "4"])

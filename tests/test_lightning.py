@@ -6,8 +6,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +15,7 @@ import torch
 L = pytest.importorskip("lightning.pytorch")
 pytest.importorskip("transformers")
 
+from example_scripts import run_and_resume  # noqa: E402
 from tiny_gpt2 import tiny_gpt2, token_batches  # noqa: E402
 
 from cpu_adam import CPUAdam, OffloadOptimizer  # noqa: E402
@@ -119,12 +118,4 @@ def test_fit_from_a_checkpoint_resumes_exactly(kind: str, tmp_path: Path):
 
 
 def test_the_example_runs_and_resumes(tmp_path: Path):
-    example = Path(__file__).resolve().parents[1] / "examples" / "lightning_train.py"
-    for extra in ([], ["--resume", "--epochs", "2"]):
-        run = subprocess.run(
-            [sys.executable, str(example), *["--epochs", "1"], "--out", str(tmp_path / "run"), *extra],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert run.returncode == 0, run.stderr[-3000:]
+    run_and_resume("lightning_train.py", tmp_path / "run", ["--epochs", "1"], ["--epochs", "2"])
