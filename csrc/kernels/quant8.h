@@ -43,23 +43,28 @@ inline float f32_from_bits(uint32_t u) {
   return x;
 }
 
+// Both regions are computed and one is selected, without branches: the compiler
+// vectorizes the block loops below under each kernel's target (the same exact
+// operations in every lane, so the bits do not depend on the ISA).
+
 // x in [0, 2), finite: the nearest code (ties to even), saturating at the largest.
 template <int kMantissa>
 inline uint32_t encode_magnitude(float x) {
   const uint32_t b = f32_bits(x);
-  if (b < kEvenSpacingLimit) {
-    const float scaled = x * static_cast<float>(1u << (14 + kMantissa));  // exact: a power of two
-    return f32_bits(scaled + kRoundingMagic) - f32_bits(kRoundingMagic);
-  }
+  const float scaled = x * static_cast<float>(1u << (14 + kMantissa));  // exact: a power of two
+  const uint32_t evenly_spaced = f32_bits(scaled + kRoundingMagic) - f32_bits(kRoundingMagic);
   constexpr uint32_t shift = 23 - kMantissa;
   const uint32_t rounded = (b + ((1u << (shift - 1)) - 1) + ((b >> shift) & 1u)) >> shift;
-  return std::min(rounded - (kCodeBias << kMantissa), (16u << kMantissa) - 1);
+  const uint32_t normal = std::min(rounded - (kCodeBias << kMantissa), (16u << kMantissa) - 1);
+  return b < kEvenSpacingLimit ? evenly_spaced : normal;
 }
 
 template <int kMantissa>
 inline float decode_magnitude(uint32_t code) {
-  if (code >> kMantissa) return f32_from_bits((code + (kCodeBias << kMantissa)) << (23 - kMantissa));
-  return static_cast<float>(code) * (1.0f / static_cast<float>(1u << (14 + kMantissa)));
+  const uint32_t normal = (code + (kCodeBias << kMantissa)) << (23 - kMantissa);
+  const float evenly_spaced = static_cast<float>(static_cast<int32_t>(code)) * (1.0f / (1u << (14 + kMantissa)));
+  const uint32_t is_normal = 0u - static_cast<uint32_t>((code >> kMantissa) != 0);  // all ones or zero
+  return f32_from_bits((normal & is_normal) | (f32_bits(evenly_spaced) & ~is_normal));
 }
 
 // The block's scale: NaN when it holds a non-finite value (the whole block then
@@ -75,11 +80,14 @@ inline float block_scale(const float* values, int64_t n) {
 
 inline float encode_avg_block(const float* m, int64_t n, uint8_t* codes) {
   const float scale = block_scale(m, n);
-  const bool finite = scale == scale;
+  if (scale != scale) {
+    std::memset(codes, 0, static_cast<size_t>(n));
+    return scale;
+  }
   for (int64_t i = 0; i < n; ++i) {
-    const uint32_t sign = (f32_bits(m[i]) & kSignBit) >> 24;
-    const float x = f32_from_bits(f32_bits(m[i]) & ~kSignBit) / scale;
-    codes[i] = finite ? static_cast<uint8_t>(sign | encode_magnitude<kAvgMantissa>(x)) : 0;
+    const uint32_t bits = f32_bits(m[i]);
+    const float x = f32_from_bits(bits & ~kSignBit) / scale;
+    codes[i] = static_cast<uint8_t>((bits & kSignBit) >> 24 | encode_magnitude<kAvgMantissa>(x));
   }
   return scale;
 }
@@ -88,11 +96,14 @@ inline float encode_avg_block(const float* m, int64_t n, uint8_t* codes) {
 // m / (sqrt(v) + eps) into m / eps.
 inline float encode_root_block(const float* u, int64_t n, uint8_t* codes) {
   const float scale = block_scale(u, n);
-  const bool finite = scale == scale;
+  if (scale != scale) {
+    std::memset(codes, 0, static_cast<size_t>(n));
+    return scale;
+  }
   for (int64_t i = 0; i < n; ++i) {
     const uint32_t magnitude = f32_bits(u[i]) & ~kSignBit;
     const uint32_t code = encode_magnitude<kRootMantissa>(f32_from_bits(magnitude) / scale);
-    codes[i] = finite ? static_cast<uint8_t>(magnitude != 0 && code == 0 ? 1 : code) : 0;
+    codes[i] = static_cast<uint8_t>(magnitude != 0 && code == 0 ? 1 : code);
   }
   return scale;
 }
