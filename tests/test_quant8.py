@@ -213,3 +213,24 @@ def test_bumps_scale_versions() -> None:
     version = scales._version
     ops.adam_step([p], [g], [m], [u], state_scales=[scales], step=1, **HYPER)
     assert scales._version > version
+
+
+@pytest.mark.parametrize("offset", [0, 2**32 - 100, 2**32 - 256 * 3 - 2])
+def test_same_step_as_float_states_then_encoded(isa: str, offset: int) -> None:
+    """The 8-bit step is the float32-state step on the decoded moments, followed by the encode:
+    params (stochastic rounding included, with the 32-bit counter wrapping inside a block, where
+    the float kernel splits its segment) bit for bit, and codes equal to quant8's of the new m and
+    sqrt(v)."""
+    n = 4097
+    p, grad, m_codes, u_codes, scales = q8_tuple(n, "bf16", "f32", seed=11)
+    kwargs = {"stochastic_rounding": True, "seed": 3, "counter_offsets": [offset], "step": 4}
+    p8, m8, u8, scales8 = q8_step(isa, [p, grad, m_codes, u_codes, scales], **kwargs)
+    m, v = quant8.dequantize_moments(m_codes, u_codes, scales)
+    pf = p.clone()
+    with ops.force_isa(isa):
+        ops.adam_step([pf], [grad], [m], [v], **{**HYPER, **kwargs})
+    assert torch.equal(raw(p8), raw(pf))
+    m_expected, m_scale = quant8.encode(m, root=False)
+    u_expected, u_scale = quant8.encode(v.sqrt(), root=True)
+    assert torch.equal(m8, m_expected[:n]) and torch.equal(u8, u_expected[:n])
+    assert torch.equal(raw(scales8), raw(torch.stack([m_scale, u_scale])))
