@@ -35,11 +35,13 @@ CPU_ADAM, TORCH_FOREACH, TORCH_FUSED, DEEPSPEED = (
     "DeepSpeedCPUAdam",
 )
 # (params, states): the rows of DESIGN.md's byte budget table.
-CASES = [("fp32", "fp32"), ("fp32", "bf16"), ("bf16", "fp32"), ("bf16", "bf16")]
+CASES = [("fp32", "fp32"), ("fp32", "bf16"), ("bf16", "fp32"), ("bf16", "bf16"), ("fp32", "8bit"), ("bf16", "8bit")]
 IMPLEMENTATIONS = (CPU_ADAM, TORCH_FOREACH, TORCH_FUSED, DEEPSPEED)
 
 
 def supported(impl: str, param: str, state: str) -> bool:
+    if state == "8bit":
+        return impl == CPU_ADAM  # codes + block scales; the peers have no 8-bit states
     if impl in (TORCH_FOREACH, TORCH_FUSED):
         return state == param  # torch keeps moments in the param dtype
     if impl == DEEPSPEED:
@@ -70,7 +72,7 @@ def measure(impl: str, param: str, state: str, n: int) -> dict:
         from cpu_adam import CPUAdam, ops
 
         ops.active_isa()  # loads the kernels before the measurement, not inside it
-        opt = CPUAdam([p], **hyper, fp32_optimizer_states=state == "fp32")
+        opt = CPUAdam([p], **hyper, state_precision=state)
     elif impl in (TORCH_FOREACH, TORCH_FUSED):
         flag = "foreach" if impl == TORCH_FOREACH else "fused"
         opt = torch.optim.AdamW([p], **hyper, **{flag: True})

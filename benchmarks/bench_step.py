@@ -2,6 +2,7 @@
 
     python benchmarks/bench_step.py                      # 2^26 params, all threads, about a minute
     python benchmarks/bench_step.py --size 2^20 --threads sweep --json out.json --plot out.png
+    python benchmarks/bench_step.py --sections step --states bf16,8bit   # 8-bit states next to bf16
 
 Two sections, each a set of interleaved groups (one group per dtype config, allocated and
 freed in turn so the peak stays near one config's buffers times its contenders):
@@ -46,8 +47,9 @@ from _common import (
 
 from cpu_adam import ops
 
-F32, BF16 = torch.float32, torch.bfloat16
-SHORT = {F32: "fp32", BF16: "bf16"}
+F32, BF16, Q8 = torch.float32, torch.bfloat16, torch.uint8  # Q8: 8-bit states (codes + block scales)
+SHORT = {F32: "fp32", BF16: "bf16", Q8: "8bit"}
+Q8_BLOCK = 256
 HYPER = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
 # The clip factor alternates between these so grads scaled in place (the three-pass sequence)
 # neither drift to denormals, which would slow every pass, nor overflow; both are exact.
@@ -68,16 +70,19 @@ class Config:
     def label(self) -> str:
         return "/".join(SHORT[d] for d in (self.param, self.grad, self.state))
 
-    def bytes_per_param(self, out: bool) -> int:
+    def bytes_per_param(self, out: bool) -> float:
         # What the step must move at least: params and both moments read and written, grads
         # read, the bf16 output written. Write-allocate reads and temporaries are not counted,
         # so GB/s is the useful bandwidth, the same accounting as DESIGN.md's byte budgets.
-        size = {F32: 4, BF16: 2}
-        return 2 * size[self.param] + size[self.grad] + 4 * size[self.state] + (2 if out else 0)
+        # 8-bit states add their two float32 scales per block, read and written.
+        size = {F32: 4, BF16: 2, Q8: 1}
+        scales = 2 * 2 * 4 / Q8_BLOCK if self.state == Q8 else 0
+        return 2 * size[self.param] + size[self.grad] + 4 * size[self.state] + scales + (2 if out else 0)
 
 
 STEP_CONFIGS = [Config(F32, F32, F32), Config(F32, BF16, F32), Config(F32, BF16, BF16)]
 STEP_CONFIGS += [Config(BF16, BF16, F32), Config(BF16, BF16, BF16)]
+STEP_CONFIGS += [Config(F32, F32, Q8), Config(F32, BF16, Q8), Config(BF16, BF16, Q8)]
 # Offload: master weights and states on the host, grads arrive as bf16 (master, states).
 OFFLOAD_CONFIGS = [(F32, F32), (F32, BF16), (BF16, F32), (BF16, BF16)]
 
@@ -89,6 +94,7 @@ class Buffers:
     exp_avg: Tensor
     exp_avg_sq: Tensor
     out: Tensor | None  # the bf16 weights for the upload; the grad itself when that is bf16
+    scales: list[Tensor] | None = None  # 8-bit states: the block scales of both moments
 
     @staticmethod
     def make(source: Tensor, cfg: Config, out: bool) -> Buffers:
@@ -102,6 +108,7 @@ class Buffers:
             exp_avg=torch.zeros(source.numel(), dtype=cfg.state),
             exp_avg_sq=torch.zeros(source.numel(), dtype=cfg.state),
             out=bf16_out,
+            scales=[torch.ones(2, -(-source.numel() // Q8_BLOCK))] if cfg.state == Q8 else None,
         )
 
     def lists(self) -> tuple[list[Tensor], ...]:
@@ -112,7 +119,7 @@ def probe_step(b: Buffers, out: bool) -> Step:
     # The probe's values grow without bound (param += grad every call, and with the output
     # aliasing the grad, doubling): SIMD adds and conversions run at the same speed on inf.
     outs = [b.out] if out else None
-    return lambda: ops.bandwidth_probe(*b.lists(), bf16_outs=outs)
+    return lambda: ops.bandwidth_probe(*b.lists(), bf16_outs=outs, state_scales=b.scales)
 
 
 def cpu_adam_step(b: Buffers, out: bool, stochastic_rounding: bool = False, clip: bool = False) -> Step:
@@ -133,6 +140,7 @@ def cpu_adam_step(b: Buffers, out: bool, stochastic_rounding: bool = False, clip
             bf16_outs=outs,
             stochastic_rounding=stochastic_rounding,
             seed=1234,
+            state_scales=b.scales,
         )
 
     return step
@@ -174,7 +182,7 @@ def step_group(cfg: Config, n: int, peers_on: dict[str, bool]) -> list[tuple[Con
     source = torch.randn(n)
     probe_bufs, ours = Buffers.make(source, cfg, out=True), Buffers.make(source, cfg, out=True)
     out_tag = " + out=grad" if cfg.grad == BF16 else " + out"
-    plain, with_out = cfg.bytes_per_param(False) * n, cfg.bytes_per_param(True) * n
+    plain, with_out = round(cfg.bytes_per_param(False) * n), round(cfg.bytes_per_param(True) * n)
     group = [
         (Contender(PROBE, probe_step(probe_bufs, False), plain), PROBE),
         (Contender(PROBE + out_tag, probe_step(probe_bufs, True), with_out), PROBE + out_tag),
@@ -232,7 +240,7 @@ def step_rows(label: str, group: list[tuple[Contender, str]], n: int, threads: i
             "ms_per_step": c.median_s * 1e3,
             "ns_per_param": c.median_s * 1e9 / n,
             "gb_per_s": c.bytes_moved / c.median_s / 1e9,
-            "bytes_per_param": c.bytes_moved // n,
+            "bytes_per_param": round(c.bytes_moved / n, 2),
             "iqr_rel": spread(c),
             "pct_of_probe": 100 / ratio(c, by_name[probe]) if c.name != probe else 100.0,
             "speedup": {},
@@ -318,11 +326,14 @@ def peer_status(skip_deepspeed: bool) -> tuple[dict[str, bool], dict[str, str]]:
     return on, status
 
 
-def run(n: int, threads: int, rounds: int, warmup: int, sections: list[str], peers_on, peers_status) -> list[dict]:
+def run(
+    n: int, threads: int, rounds: int, warmup: int, sections: list[str], states: list[str], peers_on, peers_status
+) -> list[dict]:
     torch.set_num_threads(threads)
     jobs: list[tuple[str, str, Callable]] = []
     if "step" in sections:
-        jobs += [("step", c.label, lambda c=c: step_group(c, n, peers_on)) for c in STEP_CONFIGS]
+        configs = [c for c in STEP_CONFIGS if SHORT[c.state] in states]
+        jobs += [("step", c.label, lambda c=c: step_group(c, n, peers_on)) for c in configs]
     if "offload" in sections:
         jobs += [
             ("offload", f"{SHORT[m]}/{SHORT[s]}", lambda m=m, s=s: offload_group(m, s, n, peers_on))
@@ -413,6 +424,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=12, help="timed rounds per group (default 12)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first (state allocation, page faults)")
     parser.add_argument("--sections", default="step,offload", help="comma list of: step, offload")
+    parser.add_argument("--states", default="fp32,bf16,8bit", help="step configs by state precision (comma list)")
     parser.add_argument("--no-deepspeed", action="store_true", help="leave DeepSpeedCPUAdam out even if installed")
     parser.add_argument("--json", metavar="PATH", help="write every figure (and the raw step times) here")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG of ns/param per config and implementation")
@@ -428,7 +440,7 @@ def main(argv: list[str] | None = None) -> None:
 
     results: list[dict] = []
     for threads in thread_counts:
-        rows = run(n, threads, args.rounds, args.warmup, sections, peers_on, peers_status)
+        rows = run(n, threads, args.rounds, args.warmup, sections, args.states.split(","), peers_on, peers_status)
         results += rows
         if "step" in sections:
             print(f"\n## Adam step, {threads} thread(s)\n")

@@ -108,6 +108,7 @@ def adam_step(
     stochastic_rounding: bool = False,
     seed: int = 0,
     counter_offsets: Sequence[int] | None = None,
+    state_scales: Sequence[Tensor] | None = None,
     check_only: bool = False,
 ) -> None:
     """One fused Adam/AdamW step over every tensor in the lists, in place.
@@ -127,10 +128,14 @@ def adam_step(
     tensor or raises and leaves them all as they were. ``check_only`` runs those
     checks and writes nothing, for callers that step in several calls and check
     them all first.
+
+    8-bit moments (``cpu_adam.quant8``): ``exp_avgs`` and ``exp_avg_sqs`` are uint8 codes and
+    ``state_scales[i]`` the float32 [2, ceil(numel / 256)] block scales of both, updated in place.
     """
     # Lists once: generators would be used up by the checks.
     params, grads, exp_avgs, exp_avg_sqs = list(params), list(grads), list(exp_avgs), list(exp_avg_sqs)
     outs = list(bf16_outs) if bf16_outs is not None else []
+    scales = list(state_scales) if state_scales is not None else []
     if params and not check_only and not torch.compiler.is_compiling():  # a system call would break a graph
         judge_threads_once()
     if not stochastic_rounding:
@@ -158,6 +163,7 @@ def adam_step(
             seed,
             step,
             list(counter_offsets),
+            scales,
         )
     except Exception:
         # The op checks everything; these checks only put a friendlier message on what it refused
@@ -194,14 +200,16 @@ def bandwidth_probe(
     exp_avgs: Sequence[Tensor],
     exp_avg_sqs: Sequence[Tensor],
     bf16_outs: Sequence[Tensor] | None = None,
+    state_scales: Sequence[Tensor] | None = None,
 ) -> None:
     """Moves exactly the bytes ``adam_step`` moves, with trivial math: its roofline.
 
-    Overwrites the tensors (param += grad, moments += grad).
+    Overwrites the tensors (param += grad, moments += grad; 8-bit codes and scales += 1).
     """
     outs = list(bf16_outs) if bf16_outs is not None else []
+    scales = list(state_scales) if state_scales is not None else []
     _check_all(params, grads, exp_avgs, exp_avg_sqs, outs)
-    _ops().bandwidth_probe_(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), outs)
+    _ops().bandwidth_probe_(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), outs, scales)
 
 
 def compiled_isas() -> list[str]:
@@ -256,6 +264,7 @@ class GroupStep(NamedTuple):
     stochastic_rounding: bool
     seed: int
     counter_offsets: list[int]
+    state_scales: Sequence[Tensor] = ()  # 8-bit moments: one [2, blocks] tensor per param
 
 
 def adam_step_groups(owner: str, groups: Sequence[GroupStep]) -> None:
@@ -281,8 +290,10 @@ def adam_step_groups(owner: str, groups: Sequence[GroupStep]) -> None:
             *(joined(name) for name in GroupStep._fields[:5]),
             # float64 holds a float lr exactly
             [lr if isinstance(lr, Tensor) else torch.tensor(lr, dtype=torch.float64) for lr in each("lr")],
-            *(each(name) for name in GroupStep._fields[6:-1]),
+            *(each(name) for name in GroupStep._fields[6:-2]),
             [offset for group in groups for offset in group.counter_offsets or [0] * len(group.params)],
+            [bool(group.state_scales) for group in groups],
+            joined("state_scales"),
         )
         return
     _step_groups(groups)
@@ -324,12 +335,15 @@ def _kernel_calls(group: GroupStep) -> list[tuple[list[int], dict[str, Any]]]:
             stochastic_rounding=group.stochastic_rounding,
             seed=group.seed,
             counter_offsets=[group.counter_offsets[i] for i in indices] if group.counter_offsets else None,
+            state_scales=[group.state_scales[i] for i in indices] if group.state_scales else None,
         )
         calls.append((indices, kwargs))
     return calls
 
 
-@torch.library.custom_op("cpu_adam_py::adam_step_groups_", mutates_args=("params", "exp_avgs", "exp_avg_sqs", "steps"))
+@torch.library.custom_op(
+    "cpu_adam_py::adam_step_groups_", mutates_args=("params", "exp_avgs", "exp_avg_sqs", "steps", "state_scales")
+)
 def _adam_step_groups_op(
     owner: str,
     sizes: list[int],
@@ -349,8 +363,11 @@ def _adam_step_groups_op(
     stochastic_rounding: list[bool],
     seed: list[int],
     counter_offsets: list[int],
+    eight_bit: list[bool],
+    state_scales: list[Tensor],
 ) -> None:
-    """``adam_step_groups`` as compiled: the groups' lists joined, ``sizes`` saying where each ends."""
+    """``adam_step_groups`` as compiled: the groups' lists joined, ``sizes`` saying where each ends
+    (``state_scales`` holds those of the ``eight_bit`` groups only)."""
     joined = (params, grads, exp_avgs, exp_avg_sqs, steps)
     per_group = (
         lr,
@@ -364,11 +381,15 @@ def _adam_step_groups_op(
         stochastic_rounding,
         seed,
     )
-    groups, start = [], 0
+    groups, start, scales_start = [], 0, 0
     for g, size in enumerate(sizes):
         end = start + size
         offsets = counter_offsets[start:end] if stochastic_rounding[g] else []
-        groups.append(GroupStep(*(each[start:end] for each in joined), *(each[g] for each in per_group), offsets))
+        scales = state_scales[scales_start : scales_start + size] if eight_bit[g] else []
+        scales_start += len(scales)
+        groups.append(
+            GroupStep(*(each[start:end] for each in joined), *(each[g] for each in per_group), offsets, scales)
+        )
         start = end
     for g, group in enumerate(groups):
         betas = (group.beta1, group.beta2)

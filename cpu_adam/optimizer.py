@@ -11,10 +11,19 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import ops
+from . import ops, quant8
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
-_OWN_KEYS = ("bias_correction", "fp32_optimizer_states", "stochastic_rounding", "seed", "decoupled_weight_decay")
+SCALES = "state_scales"
+STATE_PRECISIONS = ("fp32", "bf16", "8bit")
+_OWN_KEYS = (
+    "bias_correction",
+    "fp32_optimizer_states",
+    "state_precision",
+    "stochastic_rounding",
+    "seed",
+    "decoupled_weight_decay",
+)
 _UNSUPPORTED_FLAGS = ("amsgrad", "capturable", "differentiable")
 
 
@@ -39,8 +48,16 @@ class CPUAdam(torch.optim.Optimizer):
             to the grad (Adam with L2).
         bias_correction: divide the moments by ``1 - beta**step``.
         amsgrad: not supported; True raises.
-        fp32_optimizer_states: keep ``exp_avg`` and ``exp_avg_sq`` in float32;
-            False keeps them in bfloat16 whatever the params' dtype (half the bytes).
+        state_precision: how ``exp_avg`` and ``exp_avg_sq`` are kept: "fp32" (the
+            default), "bf16" (half the bytes), or "8bit": uint8 codes shaped like the
+            param plus ``state_scales``, float32 [2, ceil(numel / 256)], a scale per
+            moment per block of 256 elements (``cpu_adam.quant8``; 2.03 bytes per param
+            for both moments). Every tensor gets 8-bit states, small ones (norms, biases)
+            included: their moments are a negligible share of the bytes either way, and
+            one block per small tensor keeps the map's range per tensor, where a bf16
+            fallback would be a second code path for no measured gain.
+        fp32_optimizer_states: DeepSpeed's shorthand, True for "fp32" and False for
+            "bf16"; passing it with a ``state_precision`` it contradicts raises.
         stochastic_rounding: round bfloat16 param stores stochastically, so that
             updates below half a bfloat16 ulp still move weights on average.
             float32 params ignore it.
@@ -59,7 +76,8 @@ class CPUAdam(torch.optim.Optimizer):
         adamw_mode: bool = True,
         bias_correction: bool = True,
         amsgrad: bool = False,
-        fp32_optimizer_states: bool = True,
+        fp32_optimizer_states: bool | None = None,
+        state_precision: str | None = None,
         stochastic_rounding: bool = False,
         seed: int | None = None,
         maximize: bool = False,
@@ -86,6 +104,7 @@ class CPUAdam(torch.optim.Optimizer):
         if weight_decay is None:  # as the optimizer it stands in for: torch.optim.AdamW or torch.optim.Adam
             weight_decay = 1e-2 if adamw_mode else 0.0
         ops.check_hyper_parameters("CPUAdam", lr, betas, eps, weight_decay)
+        state_precision = _resolved_precision("CPUAdam", state_precision, fp32_optimizer_states)
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,)).item())
         defaults = {
@@ -97,7 +116,8 @@ class CPUAdam(torch.optim.Optimizer):
             "bias_correction": bias_correction,
             "amsgrad": False,
             "maximize": maximize,
-            "fp32_optimizer_states": fp32_optimizer_states,
+            "fp32_optimizer_states": state_precision == "fp32",
+            "state_precision": state_precision,
             "stochastic_rounding": stochastic_rounding,
             "seed": ops.checked_seed("CPUAdam", seed),
         }
@@ -114,6 +134,16 @@ class CPUAdam(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if isinstance(param_group, dict):  # torch's add_param_group refuses anything else
+            owner = f"CPUAdam param group {len(self.param_groups)}"
+            if "state_precision" in param_group or "fp32_optimizer_states" in param_group:
+                precision = _resolved_precision(
+                    owner, param_group.get("state_precision"), param_group.get("fp32_optimizer_states")
+                )
+                param_group = {
+                    **param_group,
+                    "state_precision": precision,
+                    "fp32_optimizer_states": precision == "fp32",
+                }
             _check_group(f"CPUAdam param group {len(self.param_groups)}", {**self.defaults, **param_group})
         super().add_param_group(param_group)
 
@@ -135,7 +165,8 @@ class CPUAdam(torch.optim.Optimizer):
         exp_avgs: list[Tensor] = []
         exp_avg_sqs: list[Tensor] = []
         steps: list[Tensor] = []
-        self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, steps)
+        scales: list[Tensor] = []
+        self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, steps, scales)
         offsets = []
         if group["stochastic_rounding"]:  # each param at its place in the group's counter space, grad or not
             places = ops.back_to_back(group["params"], ops.group_counter_base(index))
@@ -158,6 +189,7 @@ class CPUAdam(torch.optim.Optimizer):
             stochastic_rounding=bool(group["stochastic_rounding"]),
             seed=int(group["seed"]),
             counter_offsets=offsets,
+            state_scales=scales,
         )
 
     def _init_group(
@@ -168,8 +200,10 @@ class CPUAdam(torch.optim.Optimizer):
         exp_avgs: list[Tensor],
         exp_avg_sqs: list[Tensor],
         steps: list[Tensor],
+        state_scales: list[Tensor],
     ) -> None:
-        """Appends the tensors of the params that have grads; state is created on a param's first step.
+        """Appends the tensors of the params that have grads (and the block scales of 8-bit states);
+        state is created on a param's first step.
 
         Named and shaped as torch's optimizers' method, which torch.compile runs in Python
         instead of tracing it.
@@ -183,18 +217,24 @@ class CPUAdam(torch.optim.Optimizer):
                 state["step"] = torch.tensor(0.0, dtype=torch.float32)
                 for key in MOMENTS:
                     state[key] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+                if dtype == torch.uint8:  # an all-zero block's scale is 1
+                    state[SCALES] = torch.ones(2, quant8.blocks(_local(p).numel()), dtype=torch.float32)
             params.append(_local(p))
             grads.append(_local(p.grad))
             exp_avgs.append(_local(state["exp_avg"]))
             exp_avg_sqs.append(_local(state["exp_avg_sq"]))
             steps.append(state["step"])
+            if SCALES in state:
+                state_scales.append(state[SCALES])
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads this optimizer's or torch Adam/AdamW's state dict.
 
         Hyper-parameters come from the state dict, as in torch, and are checked before anything
-        changes; the moments keep the dtype this optimizer was built with
-        (``fp32_optimizer_states``), converted directly from what was saved. (torch's own load
+        changes; the moments keep the precision this optimizer was built with
+        (``state_precision``), converted directly from what was saved: float moments are
+        quantized into an 8-bit optimizer, 8-bit ones dequantized into a float one
+        (``cpu_adam.quant8``). (torch's own load
         would cast them to the param dtype first, losing float32 moments of bfloat16 params.)
         Load hooks see the whole state dict, as with torch's optimizers.
         """
@@ -204,16 +244,17 @@ class CPUAdam(torch.optim.Optimizer):
             if returned is not None:
                 state_dict = returned
         _check_loadable(state_dict, self.defaults)
-        keep_fp32_states = [g["fp32_optimizer_states"] for g in self.param_groups]
+        keep_precisions = [(g["fp32_optimizer_states"], g["state_precision"]) for g in self.param_groups]
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         per_param = {i: s for i, s in state_dict["state"].items() if isinstance(s, dict)}
-        moments = {i: {k: v for k, v in s.items() if k in MOMENTS} for i, s in per_param.items() if i in saved_ids}
+        moment_keys = (*MOMENTS, SCALES)
+        moments = {i: {k: v for k, v in s.items() if k in moment_keys} for i, s in per_param.items() if i in saved_ids}
         # Steps are cloned: torch's load keeps the saved step tensors, which a live
         # optimizer that produced them would go on incrementing in place.
         without_moments = {
             "state": {
-                i: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items() if k not in MOMENTS}
+                i: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items() if k not in moment_keys}
                 if i in per_param
                 else s
                 for i, s in state_dict["state"].items()
@@ -226,13 +267,14 @@ class CPUAdam(torch.optim.Optimizer):
                 saved["step"] = torch.tensor(float(saved["step"]), dtype=torch.float32)
         with _load_hooks_paused(self):  # they ran above, on the state dict with its moments
             super().load_state_dict(without_moments)
-        for group, fp32 in zip(self.param_groups, keep_fp32_states):
+        for group, (fp32, precision) in zip(self.param_groups, keep_precisions):
             group["fp32_optimizer_states"] = fp32
+            group["state_precision"] = precision
         group_of = {id(p): g for g in self.param_groups for p in g["params"]}
         for saved_id, p in zip(saved_ids, params):
-            dtype = _state_dtype(group_of[id(p)])
-            for key, value in moments.get(saved_id, {}).items():
-                self.state[p][key] = value.to(device=p.device, dtype=dtype, copy=True)
+            saved = moments.get(saved_id, {})
+            if saved:
+                self.state[p].update(_converted_moments(saved, _state_dtype(group_of[id(p)]), p.device))
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
@@ -273,4 +315,29 @@ def _load_hooks_paused(optimizer: torch.optim.Optimizer) -> Iterator[None]:
 
 
 def _state_dtype(group: dict[str, Any]) -> torch.dtype:
-    return torch.float32 if group["fp32_optimizer_states"] else torch.bfloat16
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "8bit": torch.uint8}[group["state_precision"]]
+
+
+def _resolved_precision(owner: str, state_precision: str | None, fp32_optimizer_states: bool | None) -> str:
+    if state_precision is not None and state_precision not in STATE_PRECISIONS:
+        raise ValueError(f"{owner}: state_precision must be one of {STATE_PRECISIONS}, got {state_precision!r}")
+    implied = None if fp32_optimizer_states is None else ("fp32" if fp32_optimizer_states else "bf16")
+    if state_precision is not None and implied is not None and state_precision != implied:
+        raise ValueError(
+            f"{owner}: fp32_optimizer_states={fp32_optimizer_states} means state_precision={implied!r}, but "
+            f"state_precision={state_precision!r} was given; pass only state_precision"
+        )
+    return state_precision or implied or "fp32"
+
+
+def _converted_moments(saved: dict[str, Tensor], dtype: torch.dtype, device: torch.device) -> dict[str, Tensor]:
+    """The saved moments (float, or 8-bit codes with their scales) in ``dtype``, as new tensors."""
+    if SCALES in saved:
+        if dtype == torch.uint8:
+            return {k: v.to(device=device, copy=True) for k, v in saved.items()}
+        floats = quant8.dequantize_moments(saved["exp_avg"], saved["exp_avg_sq"], saved[SCALES])
+        return {k: v.to(device=device, dtype=dtype) for k, v in zip(MOMENTS, floats)}
+    if dtype == torch.uint8 and all(k in saved for k in MOMENTS):
+        codes = quant8.quantize_moments(saved["exp_avg"].cpu(), saved["exp_avg_sq"].cpu())
+        return {k: v.to(device=device) for k, v in zip((*MOMENTS, SCALES), codes)}
+    return {k: v.to(device=device, dtype=dtype, copy=True) for k, v in saved.items()}

@@ -33,6 +33,9 @@ constexpr int64_t kBlock = 4096;
 constexpr int64_t kGrainBlocks = 8;
 // Segments start at block or 2^32 boundaries: even counters, as the kernels need.
 static_assert(kBlock % 2 == 0, "stochastic rounding hashes pairs of elements");
+static_assert(kBlock % kQ8Block == 0, "threads split 8-bit states on whole scale blocks");
+
+int64_t q8_blocks(int64_t numel) { return (numel + kQ8Block - 1) / kQ8Block; }
 
 // Numbers go into error messages as strings: where the extension's C++ runtime differs from
 // torch's (seen with torch 2.11+cu130 wheels built by g++ 13 on Ubuntu 24.04), streaming an
@@ -59,6 +62,15 @@ DType dtype_of(const Tensor& t, const char* role, size_t i) {
               "; only float32 and bfloat16 are supported: convert it with .float() or .bfloat16()");
 }
 
+// A moment's dtype: float32, bfloat16, or uint8 codes (8-bit states with block scales).
+DType state_dtype_of(const Tensor& t, size_t i) {
+  if (t.scalar_type() == at::kByte) return DType::q8;
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, "cpu_adam: exp_avgs[", text(i),
+              "] has dtype ", t.scalar_type(),
+              "; moments are float32, bfloat16, or uint8 (8-bit codes, with state_scales)");
+  return dtype_of(t, "exp_avgs", i);
+}
+
 // Whether each element of `t` has memory of its own: dims sorted by stride, every stride must
 // step past everything the smaller dims span. Stride-0 (expanded) and overlapping as_strided
 // views fail; so do a few exotic layouts that do not overlap, which .clone() turns into good ones.
@@ -77,9 +89,9 @@ bool elements_have_own_memory(const Tensor& t) {
 }
 
 // The tensors of one step: lists in schema order, with the names errors give them.
-constexpr int kRoles = 5;
-constexpr const char* kRoleNames[kRoles] = {"params", "grads", "exp_avgs", "exp_avg_sqs", "bf16_outs"};
-constexpr int kGrads = 1, kOuts = 4;
+constexpr int kRoles = 6;
+constexpr const char* kRoleNames[kRoles] = {"params", "grads", "exp_avgs", "exp_avg_sqs", "bf16_outs", "state_scales"};
+constexpr int kGrads = 1, kOuts = 4, kScales = 5;
 
 struct Piece {
   Extent extent;
@@ -147,8 +159,12 @@ void check_dense_cpu(const TensorLists& lists) {
 // Everything the kernel needs of the tensors, checked before anything is written.
 void check_tensors(const TensorLists& lists, const std::vector<int64_t>& counter_offsets) {
   check_dense_cpu(lists);
-  const auto& [params, grads, exp_avgs, exp_avg_sqs, outs] = lists;
+  const auto& [params, grads, exp_avgs, exp_avg_sqs, outs, scales] = lists;
   const size_t n = params->size();
+  TORCH_CHECK(scales->empty() || scales->size() == n,
+              "cpu_adam: state_scales must be empty (float moments) or have one tensor per param (8-bit moments), "
+              "got ",
+              text(scales->size()), " for ", text(n), " params");
   TORCH_CHECK(grads->size() == n && exp_avgs->size() == n && exp_avg_sqs->size() == n,
               "cpu_adam: params, grads, exp_avgs and exp_avg_sqs must have the same length, got ", text(n), ", ",
               text(grads->size()), ", ", text(exp_avgs->size()), ", ", text(exp_avg_sqs->size()));
@@ -166,10 +182,18 @@ void check_tensors(const TensorLists& lists, const std::vector<int64_t>& counter
   for (size_t i = 0; i < n; ++i) {
     const Tensor& param = (*params)[i];
     for (int r = 0; r < kRoles; ++r) {
-      if (r == kOuts && outs->empty()) continue;
+      if ((r == kOuts && outs->empty()) || (r == kScales && scales->empty())) continue;
       const Tensor& t = (*lists[r])[i];
-      TORCH_CHECK(t.numel() == param.numel(), "cpu_adam: ", kRoleNames[r], "[", text(i), "] has ", text(t.numel()),
-                  " elements but params[", text(i), "] has ", text(param.numel()), "; each tuple must match in size");
+      if (r == kScales) {
+        const int64_t blocks = q8_blocks(param.numel());
+        TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 2 && t.size(0) == 2 && t.size(1) == blocks,
+                    "cpu_adam: state_scales[", text(i), "] is ", t.scalar_type(), " of shape ", t.sizes(),
+                    "; it must be float32 of shape [2, ", text(blocks), "]: a scale per moment per block of ",
+                    text(kQ8Block), " elements of params[", text(i), "]");
+      }
+      TORCH_CHECK(r == kScales || t.numel() == param.numel(), "cpu_adam: ", kRoleNames[r], "[", text(i), "] has ",
+                  text(t.numel()), " elements but params[", text(i), "] has ", text(param.numel()),
+                  "; each tuple must match in size");
       TORCH_CHECK(r == kGrads || elements_have_own_memory(t), "cpu_adam: ", kRoleNames[r], "[", text(i),
                   "] overlaps itself (an expanded or overlapping as_strided view), so its elements would take "
                   "each other's updates; pass a tensor whose elements each have their own memory (.clone() it)");
@@ -177,7 +201,11 @@ void check_tensors(const TensorLists& lists, const std::vector<int64_t>& counter
     }
     dtype_of(param, "params", i);
     dtype_of((*grads)[i], "grads", i);
-    dtype_of((*exp_avgs)[i], "exp_avgs", i);
+    const DType state = state_dtype_of((*exp_avgs)[i], i);
+    TORCH_CHECK((state == DType::q8) == !scales->empty(), "cpu_adam: exp_avgs[", text(i), "] is ",
+                (*exp_avgs)[i].scalar_type(), " and state_scales ", scales->empty() ? "is empty" : "is given",
+                "; uint8 (8-bit) moments need their state_scales, float moments none, and one step "
+                "cannot mix them");
     TORCH_CHECK((*exp_avg_sqs)[i].scalar_type() == (*exp_avgs)[i].scalar_type(), "cpu_adam: exp_avgs[", text(i),
                 "] is ", (*exp_avgs)[i].scalar_type(), " but exp_avg_sqs[", text(i), "] is ",
                 (*exp_avg_sqs)[i].scalar_type(), "; keep both moments in one dtype");
@@ -190,38 +218,38 @@ void check_tensors(const TensorLists& lists, const std::vector<int64_t>& counter
 }
 
 struct Tuple {
-  Tensor param, grad, exp_avg, exp_avg_sq, out;  // contiguous (staged copies where needed)
+  Tensor param, grad, exp_avg, exp_avg_sq, out, scales;  // contiguous (staged copies where needed)
   Layout layout;
 };
 
 // The kernel runs on contiguous tensors: non-contiguous ones are copied here and back after.
-std::vector<Tuple> stage(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
-                         const std::vector<Tensor>& exp_avgs, const std::vector<Tensor>& exp_avg_sqs,
-                         const std::vector<Tensor>& outs) {
-  std::vector<Tuple> tuples(params.size());
-  for (size_t i = 0; i < params.size(); ++i) {
+std::vector<Tuple> stage(const TensorLists& lists) {
+  const auto& [params, grads, exp_avgs, exp_avg_sqs, outs, scales] = lists;
+  std::vector<Tuple> tuples(params->size());
+  for (size_t i = 0; i < params->size(); ++i) {
     Tuple& tu = tuples[i];
-    tu.layout = {dtype_of(params[i], "params", i), dtype_of(grads[i], "grads", i),
-                 dtype_of(exp_avgs[i], "exp_avgs", i)};
-    tu.param = params[i].contiguous();
-    tu.grad = grads[i].contiguous();
-    tu.exp_avg = exp_avgs[i].contiguous();
-    tu.exp_avg_sq = exp_avg_sqs[i].contiguous();
-    if (!outs.empty()) tu.out = outs[i].contiguous();
+    tu.layout = {dtype_of((*params)[i], "params", i), dtype_of((*grads)[i], "grads", i),
+                 state_dtype_of((*exp_avgs)[i], i)};
+    tu.param = (*params)[i].contiguous();
+    tu.grad = (*grads)[i].contiguous();
+    tu.exp_avg = (*exp_avgs)[i].contiguous();
+    tu.exp_avg_sq = (*exp_avg_sqs)[i].contiguous();
+    if (!outs->empty()) tu.out = (*outs)[i].contiguous();
+    if (!scales->empty()) tu.scales = (*scales)[i].contiguous();
   }
   return tuples;
 }
 
 // Non-contiguous inputs were updated in contiguous copies: write them back.
-void write_back(const std::vector<Tensor>& params, const std::vector<Tensor>& exp_avgs,
-                const std::vector<Tensor>& exp_avg_sqs, const std::vector<Tensor>& outs,
-                const std::vector<Tuple>& tuples) {
+void write_back(const TensorLists& lists, const std::vector<Tuple>& tuples) {
+  const auto& [params, grads, exp_avgs, exp_avg_sqs, outs, scales] = lists;
   for (size_t i = 0; i < tuples.size(); ++i) {
     const Tuple& tu = tuples[i];
-    if (!params[i].is_same(tu.param)) params[i].copy_(tu.param);
-    if (!exp_avgs[i].is_same(tu.exp_avg)) exp_avgs[i].copy_(tu.exp_avg);
-    if (!exp_avg_sqs[i].is_same(tu.exp_avg_sq)) exp_avg_sqs[i].copy_(tu.exp_avg_sq);
-    if (!outs.empty() && !outs[i].is_same(tu.out)) outs[i].copy_(tu.out);
+    if (!(*params)[i].is_same(tu.param)) (*params)[i].copy_(tu.param);
+    if (!(*exp_avgs)[i].is_same(tu.exp_avg)) (*exp_avgs)[i].copy_(tu.exp_avg);
+    if (!(*exp_avg_sqs)[i].is_same(tu.exp_avg_sq)) (*exp_avg_sqs)[i].copy_(tu.exp_avg_sq);
+    if (!outs->empty() && !(*outs)[i].is_same(tu.out)) (*outs)[i].copy_(tu.out);
+    if (!scales->empty() && !(*scales)[i].is_same(tu.scales)) (*scales)[i].copy_(tu.scales);
   }
 }
 
@@ -269,11 +297,15 @@ void run_all(std::vector<Tuple>& tuples, const Hyper& h, int64_t seed, int64_t s
   auto run_elements = [&](size_t i, int64_t begin, int64_t end) {
     const Tuple& tu = tuples[i];
     const uint64_t offset = counter_offsets.empty() ? 0 : static_cast<uint64_t>(counter_offsets[i]);
+    const bool q8 = tu.layout.state == DType::q8;
     while (begin < end) {
       // Counters are 32 bits: split where the high bits change and fold those into the key.
+      // An 8-bit state's scale block cannot be split: its segment runs on to the end of the
+      // block holding the wrap, and the kernel changes keys there.
       const uint64_t counter = offset + static_cast<uint64_t>(begin);
       const uint64_t high = counter >> 32;
-      const int64_t stop = std::min(end, begin + static_cast<int64_t>(((high + 1) << 32) - counter));
+      const int64_t wrap = begin + static_cast<int64_t>(((high + 1) << 32) - counter);
+      const int64_t stop = std::min(end, q8 ? (wrap + kQ8Block - 1) / kQ8Block * kQ8Block : wrap);
       Segment s;
       s.param = static_cast<char*>(tu.param.data_ptr()) + begin * tu.param.element_size();
       s.grad = static_cast<const char*>(tu.grad.const_data_ptr()) + begin * tu.grad.element_size();
@@ -283,6 +315,15 @@ void run_all(std::vector<Tuple>& tuples, const Hyper& h, int64_t seed, int64_t s
       s.n = stop - begin;
       s.first_counter = static_cast<uint32_t>(counter);
       s.rng_key = h.stochastic_rounding ? rng_key(seed, step, high) : 0;
+      s.exp_avg_scale = nullptr;
+      s.exp_avg_sq_scale = nullptr;
+      s.counter_wrap = std::min(s.n, wrap - begin);
+      s.rng_key_after_wrap = h.stochastic_rounding ? rng_key(seed, step, high + 1) : 0;
+      if (q8) {
+        float* scales = tu.scales.data_ptr<float>();
+        s.exp_avg_scale = scales + begin / kQ8Block;
+        s.exp_avg_sq_scale = scales + q8_blocks(tu.param.numel()) + begin / kQ8Block;
+      }
       kernel(s, tu.layout, h);
       begin = stop;
     }
@@ -303,13 +344,13 @@ void run_all(std::vector<Tuple>& tuples, const Hyper& h, int64_t seed, int64_t s
 void launch(const TensorLists& lists, const Hyper& h, int64_t seed, int64_t step,
             const std::vector<int64_t>& counter_offsets) {
   check_tensors(lists, counter_offsets);
-  const auto& [params, grads, exp_avgs, exp_avg_sqs, outs] = lists;
-  std::vector<Tuple> tuples = stage(*params, *grads, *exp_avgs, *exp_avg_sqs, *outs);
+  const auto& [params, grads, exp_avgs, exp_avg_sqs, outs, scales] = lists;
+  std::vector<Tuple> tuples = stage(lists);
   run_all(tuples, h, seed, step, counter_offsets);
-  write_back(*params, *exp_avgs, *exp_avg_sqs, *outs, tuples);
+  write_back(lists, tuples);
   // As torch's in-place ops do: a backward through a graph that saved these tensors before the
   // step then fails instead of running on the new values.
-  for (const auto* written : {params, exp_avgs, exp_avg_sqs, outs}) {
+  for (const auto* written : {params, exp_avgs, exp_avg_sqs, outs, scales}) {
     for (const Tensor& t : *written) torch::autograd::impl::bump_version(t);
   }
 }
@@ -364,10 +405,10 @@ void adam_step(const std::vector<Tensor>& params, const std::vector<Tensor>& gra
                const std::vector<Tensor>& exp_avg_sqs, const std::vector<Tensor>& bf16_outs, double lr, double beta1,
                double beta2, double eps, double weight_decay, bool adamw_mode, double bias_correction1,
                double bias_correction2, double grad_scale, bool stochastic_rounding, int64_t seed, int64_t step,
-               const std::vector<int64_t>& counter_offsets) {
+               const std::vector<int64_t>& counter_offsets, const std::vector<Tensor>& state_scales) {
   const Hyper h = adam_hyper(lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction1, bias_correction2,
                              grad_scale, stochastic_rounding, step);
-  launch({&params, &grads, &exp_avgs, &exp_avg_sqs, &bf16_outs}, h, seed, step, counter_offsets);
+  launch({&params, &grads, &exp_avgs, &exp_avg_sqs, &bf16_outs, &state_scales}, h, seed, step, counter_offsets);
 }
 
 // Every check of adam_step_, nothing written: callers that step in several calls check them all
@@ -377,18 +418,18 @@ void check_adam_step(const std::vector<Tensor>& params, const std::vector<Tensor
                      const std::vector<Tensor>& bf16_outs, double lr, double beta1, double beta2, double eps,
                      double weight_decay, bool adamw_mode, double bias_correction1, double bias_correction2,
                      double grad_scale, bool stochastic_rounding, int64_t seed, int64_t step,
-                     const std::vector<int64_t>& counter_offsets) {
+                     const std::vector<int64_t>& counter_offsets, const std::vector<Tensor>& state_scales) {
   adam_hyper(lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction1, bias_correction2, grad_scale,
              stochastic_rounding, step);
-  check_tensors({&params, &grads, &exp_avgs, &exp_avg_sqs, &bf16_outs}, counter_offsets);
+  check_tensors({&params, &grads, &exp_avgs, &exp_avg_sqs, &bf16_outs, &state_scales}, counter_offsets);
 }
 
 void bandwidth_probe(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
                      const std::vector<Tensor>& exp_avgs, const std::vector<Tensor>& exp_avg_sqs,
-                     const std::vector<Tensor>& bf16_outs) {
+                     const std::vector<Tensor>& bf16_outs, const std::vector<Tensor>& state_scales) {
   Hyper h{};
   h.probe = true;
-  launch({&params, &grads, &exp_avgs, &exp_avg_sqs, &bf16_outs}, h, 0, 0, {});
+  launch({&params, &grads, &exp_avgs, &exp_avg_sqs, &bf16_outs, &state_scales}, h, 0, 0, {});
 }
 
 std::vector<std::string> isa_names(bool only_supported) {
@@ -411,15 +452,15 @@ TORCH_LIBRARY(cpu_adam, m) {
       "adam_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
       "Tensor(d!)[] bf16_outs, float lr, float beta1, float beta2, float eps, float weight_decay, "
       "bool adamw_mode, float bias_correction1, float bias_correction2, float grad_scale, "
-      "bool stochastic_rounding, int seed, int step, int[] counter_offsets) -> ()");
+      "bool stochastic_rounding, int seed, int step, int[] counter_offsets, Tensor(e!)[] state_scales) -> ()");
   m.def(
       "check_adam_step(Tensor[] params, Tensor[] grads, Tensor[] exp_avgs, Tensor[] exp_avg_sqs, "
       "Tensor[] bf16_outs, float lr, float beta1, float beta2, float eps, float weight_decay, "
       "bool adamw_mode, float bias_correction1, float bias_correction2, float grad_scale, "
-      "bool stochastic_rounding, int seed, int step, int[] counter_offsets) -> ()");
+      "bool stochastic_rounding, int seed, int step, int[] counter_offsets, Tensor[] state_scales) -> ()");
   m.def(
       "bandwidth_probe_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
-      "Tensor(d!)[] bf16_outs) -> ()");
+      "Tensor(d!)[] bf16_outs, Tensor(e!)[] state_scales) -> ()");
   m.def("compiled_isas() -> str[]", &compiled_isa_names);
   m.def("supported_isas() -> str[]", &supported_isa_names);
   m.def("active_isa() -> str", &active_isa_name);

@@ -380,7 +380,7 @@ def call_op(case: OpCase, lists: list[Any]) -> None:
     op = torch.ops.cpu_adam.check_adam_step if case.via == "check" else torch.ops.cpu_adam.adam_step_
     names = ["lr", "beta1", "beta2", "eps", "weight_decay", "adamw_mode", "bias_correction1", "bias_correction2"]
     names += ["grad_scale", "stochastic_rounding", "seed", "step", "counter_offsets"]
-    op(*lists, *(s[n] for n in names))
+    op(*lists, *(s[n] for n in names), [])  # state_scales: float moments
 
 
 def adam_float64(p, g, m, v, s: dict[str, Any], bias_corrections: tuple[float, float]) -> Tensor:

@@ -426,6 +426,7 @@ OP_SCALARS = {
     "seed": 0,
     "step": 1,
     "counter_offsets": [],
+    "state_scales": [],
 }
 
 

@@ -16,6 +16,7 @@
 #include <cstring>
 
 #include "adam_kernel.h"
+#include "quant8.h"
 
 namespace cpu_adam {
 namespace {
@@ -91,7 +92,9 @@ constexpr bool is_bf16 = sizeof(T) == 2;
 
 // One vector of elements from i on. Memory goes through `ops`, which a kernel may
 // narrow to the first lanes (a predicated tail); the arithmetic runs on every lane.
-template <class V, class P, class G, class S, bool kProbe>
+// kRoot: exp_avg_sq holds float32 roots sqrt(v) (the decoded 8-bit state), read
+// as u * u and written as the new sqrt(v).
+template <class V, class P, class G, class S, bool kProbe, bool kRoot = false>
 inline void update(int64_t i, const Segment& s, const Hyper& h, V ops = {}) {
   using F = typename V::F;
   using H = typename V::H;
@@ -103,6 +106,7 @@ inline void update(int64_t i, const Segment& s, const Hyper& h, V ops = {}) {
   F p = ops.load(param);
   F m = ops.load(exp_avg);
   F v = ops.load(exp_avg_sq);
+  F root = v;
   if (kProbe) {
     p = V::add(p, g);
     m = V::add(m, g);
@@ -112,8 +116,10 @@ inline void update(int64_t i, const Segment& s, const Hyper& h, V ops = {}) {
     if (h.l2 != 0.0f) g = V::add(g, V::mul(p, V::set1(h.l2)));
     p = V::mul(p, V::set1(h.decay));
     m = V::add(m, V::mul(V::sub(g, m), V::set1(h.one_minus_beta1)));
+    if (kRoot) v = V::mul(v, v);
     v = V::add(V::mul(v, V::set1(h.beta2)), V::mul(V::mul(V::set1(h.one_minus_beta2), g), g));
-    const F denom = V::add(V::mul(V::sqrt(v), V::set1(h.inv_bc2_sqrt)), V::set1(h.eps));
+    root = V::sqrt(v);
+    const F denom = V::add(V::mul(root, V::set1(h.inv_bc2_sqrt)), V::set1(h.eps));
     p = V::sub(p, V::mul(V::set1(h.step_size), V::div(m, denom)));
   }
 
@@ -122,7 +128,7 @@ inline void update(int64_t i, const Segment& s, const Hyper& h, V ops = {}) {
     ops.store16(exp_avg_sq, V::bf16_nearest(v));
   } else {
     ops.store(exp_avg, m);
-    ops.store(exp_avg_sq, v);
+    ops.store(exp_avg_sq, kRoot ? root : v);
   }
   // The output may alias a bf16 grad: the grad was loaded above.
   if constexpr (is_bf16<P>) {
@@ -167,7 +173,7 @@ constexpr bool kHasPartial = false;
 template <class V>
 constexpr bool kHasPartial<V, decltype(void(V::partial(int64_t{1})))> = true;
 
-template <class V, class P, class G, class S, bool kProbe>
+template <class V, class P, class G, class S, bool kProbe, bool kRoot = false>
 void run_segment(const Segment& segment, const Hyper& hyper) {
   // Local copies: the compiler cannot prove that stores through the data
   // pointers leave the caller's structs alone, and would reload every field
@@ -186,19 +192,83 @@ void run_segment(const Segment& segment, const Hyper& hyper) {
     if (group > kLineElements) {
       for (int64_t line = i + kLineElements; line < i + group; line += kLineElements) prefetch_ahead<P, G, S>(line, s);
     }
-    for (int64_t j = i; j < i + group; j += width) update<V, P, G, S, kProbe>(j, s, h);
+    for (int64_t j = i; j < i + group; j += width) update<V, P, G, S, kProbe, kRoot>(j, s, h);
   }
-  for (; i + width <= s.n; i += width) update<V, P, G, S, kProbe>(i, s, h);
+  for (; i + width <= s.n; i += width) update<V, P, G, S, kProbe, kRoot>(i, s, h);
   if constexpr (kHasPartial<V>) {
-    if (i < s.n) update<decltype(V::partial(1)), P, G, S, kProbe>(i, s, h, V::partial(s.n - i));
+    if (i < s.n) update<decltype(V::partial(1)), P, G, S, kProbe, kRoot>(i, s, h, V::partial(s.n - i));
   } else {
-    for (; i < s.n; ++i) update<ScalarOps, P, G, S, kProbe>(i, s, h);
+    for (; i < s.n; ++i) update<ScalarOps, P, G, S, kProbe, kRoot>(i, s, h);
+  }
+}
+
+// 8-bit states, one block at a time: decode the codes into float32 buffers on the
+// stack, run the Adam loop above on them (the param update sees the new, unrounded
+// m and v), then encode the block with its new scales. The probe moves the same
+// bytes: codes and scales are read and written back changed.
+template <class V, class P, class G, bool kProbe>
+void run_q8_segment(const Segment& segment, const Hyper& h) {
+  const Segment s = segment;
+  alignas(64) float m[kQ8Block] = {};
+  alignas(64) float u[kQ8Block] = {};
+  auto* m_codes = static_cast<uint8_t*>(s.exp_avg);
+  auto* u_codes = static_cast<uint8_t*>(s.exp_avg_sq);
+  // Adam over elements [lo, hi) of the block starting at `start`.
+  const auto adam = [&](int64_t start, int64_t lo, int64_t hi, uint32_t key) {
+    Segment part = s;
+    part.param = static_cast<P*>(s.param) + start + lo;
+    part.grad = static_cast<const G*>(s.grad) + start + lo;
+    part.bf16_out = s.bf16_out ? s.bf16_out + start + lo : nullptr;
+    part.exp_avg = m + lo;
+    part.exp_avg_sq = u + lo;
+    part.n = hi - lo;
+    part.first_counter = s.first_counter + static_cast<uint32_t>(start + lo);
+    part.rng_key = key;
+    run_segment<V, P, G, float, kProbe, true>(part, h);
+  };
+  for (int64_t b = 0, start = 0; start < s.n; ++b, start += kQ8Block) {
+    const int64_t n = std::min(kQ8Block, s.n - start);
+    if (kProbe) {
+      adam(start, 0, n, s.rng_key);
+      for (int64_t i = 0; i < n; ++i) {
+        m_codes[start + i] = static_cast<uint8_t>(m_codes[start + i] + 1);
+        u_codes[start + i] = static_cast<uint8_t>(u_codes[start + i] + 1);
+      }
+      s.exp_avg_scale[b] += 1.0f;
+      s.exp_avg_sq_scale[b] += 1.0f;
+      continue;
+    }
+    decode_avg_block(m_codes + start, n, s.exp_avg_scale[b], m);
+    decode_root_block(u_codes + start, n, s.exp_avg_sq_scale[b], u);
+    const int64_t wrap = s.counter_wrap - start;
+    if (wrap <= 0) {
+      adam(start, 0, n, s.rng_key_after_wrap);
+    } else if (wrap >= n) {
+      adam(start, 0, n, s.rng_key);
+    } else {
+      adam(start, 0, wrap, s.rng_key);
+      adam(start, wrap, n, s.rng_key_after_wrap);
+    }
+    s.exp_avg_scale[b] = encode_avg_block(m, n, m_codes + start);
+    s.exp_avg_sq_scale[b] = encode_root_block(u, n, u_codes + start);
   }
 }
 
 template <class V, bool kProbe>
 void run_layout(const Segment& s, Layout l, const Hyper& h) {
   using B = uint16_t;
+  if (l.state == DType::q8) {
+    switch ((l.param == DType::bf16) << 1 | (l.grad == DType::bf16)) {
+      case 0:
+        return run_q8_segment<V, float, float, kProbe>(s, h);
+      case 1:
+        return run_q8_segment<V, float, B, kProbe>(s, h);
+      case 2:
+        return run_q8_segment<V, B, float, kProbe>(s, h);
+      default:
+        return run_q8_segment<V, B, B, kProbe>(s, h);
+    }
+  }
   const int code = (l.param == DType::bf16) << 2 | (l.grad == DType::bf16) << 1 | (l.state == DType::bf16);
   switch (code) {
     case 0:

@@ -7,7 +7,11 @@
 
 namespace cpu_adam {
 
-enum class DType : uint8_t { f32, bf16 };
+// q8: the moments as 8-bit codes with a float32 scale per block of kQ8Block
+// elements (quant8.h); a state dtype only.
+enum class DType : uint8_t { f32, bf16, q8 };
+
+constexpr int64_t kQ8Block = 256;
 
 // One contiguous run of elements of one (param, grad, exp_avg, exp_avg_sq[, out])
 // tuple. Pointers are already offset to the run's first element.
@@ -20,6 +24,13 @@ struct Segment {
   int64_t n;
   uint32_t first_counter;  // counter of element 0 for stochastic rounding; even
   uint32_t rng_key;        // (seed, step, high counter bits) hashed
+  // q8 states only. The scales of the segment's first block (a q8 segment starts on a
+  // block boundary); and, since blocks cannot be split, where within the segment the
+  // 32-bit counter wraps (n: nowhere) and the key of the counters after it.
+  float* exp_avg_scale;
+  float* exp_avg_sq_scale;
+  int64_t counter_wrap;
+  uint32_t rng_key_after_wrap;
 };
 
 struct Layout {

@@ -139,7 +139,9 @@ struct Array {
 
   Array() = default;
   Array(DType type, int64_t count, int offset)
-      : size(type == DType::bf16 ? 2 : 4),
+      : size(type == DType::q8     ? 1
+             : type == DType::bf16 ? 2
+                                   : 4),
         n(count),
         start(kGuard + offset),
         bytes(static_cast<size_t>((kGuard + offset + count + kGuard) * size), kGuardByte) {}
@@ -149,13 +151,15 @@ struct Array {
     std::memcpy(&u, bytes.data() + (start + i) * size, static_cast<size_t>(size));
     return u;
   }
-  // A float's bits stored in this array's dtype (bf16: the upper half).
+  // A float's bits stored in this array's dtype (bf16: the upper half; 8-bit codes: the low byte,
+  // any code).
   void set_float(int64_t i, uint32_t bits) {
-    const uint32_t u = size == 2 ? bits >> 16 : bits;
+    const uint32_t u = size == 2 ? bits >> 16 : size == 1 ? bits & 0xFFu : bits;
     std::memcpy(bytes.data() + (start + i) * size, &u, static_cast<size_t>(size));
   }
   bool is_nan(int64_t i) const {
     const uint32_t u = get(i);
+    if (size == 1) return false;
     return size == 2 ? (u & 0x7FFFu) > 0x7F80u : (u & 0x7FFFFFFFu) > 0x7F800000u;
   }
 };
@@ -185,9 +189,12 @@ const Variant kVariants[] = {
 const int64_t kSizes[] = {0,  1,  2,  3,  4,  5,  6,  7,  8,  9,  11, 12, 13, 15,  16,  17,  20,  24,
                           31, 32, 33, 47, 48, 49, 63, 64, 65, 80, 95, 96, 97, 100, 127, 128, 129, 130};
 // Longer runs, on the random inputs only.
-const int64_t kLongSizes[] = {1000, 4097};
+const int64_t kLongSizes[] = {255, 256, 257, 1000, 4097};
 
 const DType kTypes[] = {DType::f32, DType::bf16};
+const DType kStateTypes[] = {DType::f32, DType::bf16, DType::q8};
+constexpr int64_t kQ8Block = cpu_adam::kQ8Block;
+int64_t q8_blocks(int64_t n) { return (n + kQ8Block - 1) / kQ8Block; }
 
 struct Case {
   Data data;
@@ -200,7 +207,7 @@ struct Case {
 };
 
 std::string describe(const Case& c) {
-  auto t = [](DType d) { return d == DType::bf16 ? "bf16" : "f32"; };
+  auto t = [](DType d) { return d == DType::q8 ? "q8" : d == DType::bf16 ? "bf16" : "f32"; };
   char text[256];
   std::snprintf(text, sizeof text, "%s %s/%s/%s %s n=%" PRId64 " offset=%d counter=%" PRIu32, data_name(c.data),
                 t(c.layout.param), t(c.layout.grad), t(c.layout.state), c.variant->name, c.n, c.offset,
@@ -214,7 +221,7 @@ std::vector<Case> all_cases() {
   for (const Data data : {Data::random, Data::tiny, Data::special}) {
     for (const DType p : kTypes) {
       for (const DType g : kTypes) {
-        for (const DType s : kTypes) {
+        for (const DType s : kStateTypes) {
           for (const Variant& v : kVariants) {
             std::vector<int64_t> sizes(std::begin(kSizes), std::end(kSizes));
             if (data == Data::random) sizes.insert(sizes.end(), std::begin(kLongSizes), std::end(kLongSizes));
@@ -264,9 +271,11 @@ Hyper make_hyper(const Variant& v) {
   return h;
 }
 
-// param, grad, exp_avg, exp_avg_sq, out (empty when the case has none or it is the grad).
+// param, grad, exp_avg, exp_avg_sq, out (empty when the case has none or it is the grad), and the
+// block scales of 8-bit states (empty for float states): those of exp_avg, then of exp_avg_sq.
+constexpr int kArrays = 6;
 struct Tuple {
-  Array a[5];
+  Array a[kArrays];
 };
 
 Tuple make_inputs(const Case& c) {
@@ -283,6 +292,14 @@ Tuple make_inputs(const Case& c) {
     t.a[1].set_float(i, v.grad);
     t.a[2].set_float(i, v.exp_avg);
     t.a[3].set_float(i, v.exp_avg_sq);
+  }
+  if (c.layout.state == DType::q8) {
+    // Any scale decodes the same on every ISA; random data gets powers of two, special data any bits.
+    t.a[5] = Array(DType::f32, 2 * q8_blocks(c.n), c.offset);
+    for (int64_t i = 0; i < t.a[5].n; ++i) {
+      const uint32_t bits = c.data == Data::special ? special_float(r) : float_with_exponent(r, -40, 10) & 0x7F800000u;
+      t.a[5].set_float(i, bits);
+    }
   }
   return t;
 }
@@ -302,6 +319,12 @@ Tuple run_case(KernelFn kernel, const Case& c, const Tuple& inputs, Mode mode) {
   s.n = c.n;
   s.first_counter = c.first_counter;
   s.rng_key = c.key;
+  s.counter_wrap = c.n;  // the cases never wrap the counter
+  s.rng_key_after_wrap = c.key;
+  if (c.layout.state == DType::q8) {
+    s.exp_avg_scale = static_cast<float*>(t.a[5].data());
+    s.exp_avg_sq_scale = s.exp_avg_scale + q8_blocks(c.n);
+  }
   const Hyper h = make_hyper(*c.variant);
   if (mode == Mode::flushed) {
     const cpu_adam::ScopedFlushDenormals flush;
@@ -312,11 +335,11 @@ Tuple run_case(KernelFn kernel, const Case& c, const Tuple& inputs, Mode mode) {
   return t;
 }
 
-const char* kArrayNames[] = {"param", "grad", "exp_avg", "exp_avg_sq", "out"};
+const char* kArrayNames[] = {"param", "grad", "exp_avg", "exp_avg_sq", "out", "state_scales"};
 
 // Nothing written before or after any array (the guard zones as they were made).
 bool guards_untouched(const Tuple& result, const Tuple& inputs, const std::string& what) {
-  for (int k = 0; k < 5; ++k) {
+  for (int k = 0; k < kArrays; ++k) {
     const Array& a = result.a[k];
     const Array& e = inputs.a[k];
     if (a.bytes.empty()) continue;
@@ -332,7 +355,7 @@ bool guards_untouched(const Tuple& result, const Tuple& inputs, const std::strin
 
 // Elements equal bit for bit or both NaN.
 bool same_results(const Tuple& actual, const Tuple& expected, const std::string& what) {
-  for (int k = 0; k < 5; ++k) {
+  for (int k = 0; k < kArrays; ++k) {
     const Array& a = actual.a[k];
     const Array& e = expected.a[k];
     if (a.bytes.empty()) continue;
@@ -355,7 +378,7 @@ bool same_results(const Tuple& actual, const Tuple& expected, const std::string&
 
 // Every element of every written array, NaNs made one NaN.
 void append_canonical(const Tuple& t, std::vector<unsigned char>& out) {
-  for (int k = 0; k < 5; ++k) {
+  for (int k = 0; k < kArrays; ++k) {
     const Array& a = t.a[k];
     if (a.bytes.empty()) continue;
     const size_t at = out.size();

@@ -1,0 +1,129 @@
+"""8-bit Adam moments: the code maps, written once in plain torch.
+
+The kernel (``csrc/kernels/quant8.h``) computes the same codes with integer operations on
+float32 bits; this module finds them as the nearest entry of a decode table in float64, so
+the tests can use it as an independent reference, and the optimizers use it to convert state
+dicts between precisions.
+
+Per block of 256 elements, each moment has a float32 scale: a power of two 2^k no larger than
+the block's largest magnitude (1 for an all-zero block, NaN for a block holding a non-finite
+value, which then decodes to NaN). x = |value| / scale lies in [0, 2) and is exact. A code holds
+x as a tiny float: a 4-bit exponent field e (bias 15) and an M-bit mantissa f,
+x = 2^(e-15) (1 + f/2^M) for e > 0, f 2^-(14+M) for e = 0; rounding to nearest, ties to even,
+saturating at the largest code.
+
+- ``exp_avg``: sign in bit 7, M = 3 (largest x 1.875).
+- ``exp_avg_sq`` is stored as its root u = sqrt(v), unsigned, M = 4 (largest x 1.9375): the
+  step needs sqrt(v) anyway, the root halves the range to cover, and a positive u is never
+  rounded to code 0 (a zero second moment would make the update m / eps).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+__all__ = ["BLOCK", "blocks", "decode", "dequantize_moments", "encode", "quantize_moments"]
+
+BLOCK = 256
+_AVG_MANTISSA = 3
+_ROOT_MANTISSA = 4
+_SMALLEST_NORMAL = 2.0**-126
+
+
+def blocks(numel: int) -> int:
+    """How many scale blocks a tensor of ``numel`` elements has."""
+    return (numel + BLOCK - 1) // BLOCK
+
+
+def _magnitudes(mantissa: int) -> Tensor:
+    """x for every magnitude code, ascending, in float64 (exact)."""
+    codes = torch.arange(16 << mantissa, dtype=torch.float64)
+    e, f = torch.div(codes, 1 << mantissa, rounding_mode="floor"), codes % (1 << mantissa)
+    normal = torch.pow(2.0, e - 15) * (1 + f / (1 << mantissa))
+    return torch.where(e > 0, normal, f * 2.0 ** -(14 + mantissa))
+
+
+def _blocked(values: Tensor) -> Tensor:
+    flat = values.detach().reshape(-1).to(torch.float64)
+    padded = torch.zeros(blocks(flat.numel()) * BLOCK, dtype=torch.float64)
+    padded[: flat.numel()] = flat
+    return padded.view(-1, BLOCK)
+
+
+def _scales(blocked: Tensor) -> Tensor:
+    largest = blocked.abs().amax(dim=1)
+    _, exponent = torch.frexp(largest)  # largest = mantissa * 2^exponent, mantissa in [0.5, 1)
+    scale = torch.pow(2.0, (exponent - 1).to(torch.float64)).clamp(min=_SMALLEST_NORMAL)
+    scale = torch.where(largest == 0, torch.ones_like(scale), scale)
+    return torch.where(blocked.isfinite().all(dim=1), scale, torch.full_like(scale, math.nan))
+
+
+def _nearest(x: Tensor, table: Tensor) -> Tensor:
+    """Index of the entry of ``table`` nearest to x (ties to the even index; saturating)."""
+    top = table.numel() - 1
+    lo = (torch.searchsorted(table, x.contiguous(), right=True) - 1).clamp(0, top)
+    hi = (lo + 1).clamp(max=top)
+    below, above = x - table[lo], table[hi] - x
+    take_hi = (above < below) | ((above == below) & (hi % 2 == 0))
+    return torch.where(take_hi, hi, lo)
+
+
+def encode(values: Tensor, *, root: bool) -> tuple[Tensor, Tensor]:
+    """Codes (uint8, flat, padded to whole blocks) and float32 scales of ``values``.
+
+    ``root``: the values are roots sqrt(v) (non-negative, unsigned map), else exp_avg.
+    """
+    blocked = _blocked(values)
+    scale = _scales(blocked)
+    table = _magnitudes(_ROOT_MANTISSA if root else _AVG_MANTISSA)
+    x = (blocked.abs() / scale[:, None]).nan_to_num(nan=0.0)
+    codes = _nearest(x, table)
+    if root:
+        codes = torch.where((blocked != 0) & (codes == 0), torch.ones_like(codes), codes)
+    else:
+        codes = codes | (torch.signbit(blocked).to(torch.int64) << 7)
+    codes = torch.where(scale.isnan()[:, None], torch.zeros_like(codes), codes)
+    return codes.to(torch.uint8).reshape(-1), scale.to(torch.float32)
+
+
+def decode(codes: Tensor, scale: Tensor, *, root: bool) -> Tensor:
+    """Values (float64, flat, whole blocks) of flat ``codes`` with per-block ``scale``."""
+    c = codes.reshape(-1, BLOCK).to(torch.int64)
+    s = scale.to(torch.float64)[:, None]
+    if root:
+        return (_magnitudes(_ROOT_MANTISSA)[c] * s).reshape(-1)
+    magnitude = _magnitudes(_AVG_MANTISSA)[c & 0x7F] * s
+    return torch.where(c >= 0x80, -magnitude, magnitude).reshape(-1)
+
+
+def quantize_moments(exp_avg: Tensor, exp_avg_sq: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(exp_avg codes, exp_avg_sq codes, scales): codes uint8 shaped like the moments, scales
+    float32 [2, blocks]. The root of exp_avg_sq is taken in float32, as the kernel does."""
+    root = exp_avg_sq.detach().to(torch.float32).sqrt()
+    avg_codes, avg_scale = encode(exp_avg, root=False)
+    root_codes, root_scale = encode(root, root=True)
+    n = exp_avg.numel()
+    shape = exp_avg.shape
+    return (
+        avg_codes[:n].reshape(shape).clone(),
+        root_codes[:n].reshape(shape).clone(),
+        torch.stack([avg_scale, root_scale]),
+    )
+
+
+def dequantize_moments(avg_codes: Tensor, root_codes: Tensor, scales: Tensor) -> tuple[Tensor, Tensor]:
+    """(exp_avg, exp_avg_sq) in float32 from 8-bit codes and their [2, blocks] scales; v = u * u
+    in float32, as the kernel squares the root."""
+    n, shape = avg_codes.numel(), avg_codes.shape
+
+    def padded(codes: Tensor) -> Tensor:
+        out = torch.zeros(blocks(n) * BLOCK, dtype=torch.uint8)
+        out[:n] = codes.detach().reshape(-1).cpu()
+        return out
+
+    avg = decode(padded(avg_codes), scales[0].cpu(), root=False)[:n].to(torch.float32)
+    root = decode(padded(root_codes), scales[1].cpu(), root=True)[:n].to(torch.float32)
+    return avg.reshape(shape), (root * root).reshape(shape)

@@ -1,0 +1,236 @@
+"""8-bit moments in the kernel: its codes against cpu_adam.quant8 and a float64 reference, every
+ISA against scalar, special values, and the op's refusals."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import DTYPES, flushed, raw, vector_isas
+from torch import Tensor
+
+from cpu_adam import ops, quant8
+from cpu_adam.reference import adam_reference
+
+SIZES = [0, 1, 15, 16, 17, 255, 256, 257, 511, 4095, 4096, 4097, 70001]
+HYPER = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8}
+FP32_ULP = 2.0**-24
+
+
+def q8_tuple(n: int, param: str, grad: str, seed: int) -> list[Tensor]:
+    """param, grad, exp_avg codes, exp_avg_sq codes, scales: moments of a run in progress."""
+    g = torch.Generator().manual_seed(seed)
+    p = torch.randn(n, generator=g).to(DTYPES[param])
+    grad_values = torch.randn(n, generator=g) * torch.logspace(-6, 0, n if n else 1)[:n]
+    exp_avg = grad_values * torch.randn(n, generator=g) * 0.3
+    exp_avg_sq = grad_values**2 * torch.rand(n, generator=g)
+    return [p, grad_values.to(DTYPES[grad]), *quant8.quantize_moments(exp_avg, exp_avg_sq)]
+
+
+def q8_step(isa: str, tensors: list[Tensor], threads: int = 1, out: bool = False, **kwargs) -> list[Tensor]:
+    """One step on copies; returns the updated copies (and the bf16 output, where asked)."""
+    p, g, m, u, scales = (t.clone() for t in tensors)
+    outs = [torch.empty(p.shape, dtype=torch.bfloat16)] if out else None
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with ops.force_isa(isa):
+            ops.adam_step([p], [g], [m], [u], state_scales=[scales], bf16_outs=outs, **{**HYPER, "step": 5, **kwargs})
+    finally:
+        torch.set_num_threads(previous)
+    return [p, m, u, scales, *(outs or [])]
+
+
+@pytest.mark.parametrize("isa", vector_isas())
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(
+    ("param", "grad", "stochastic", "out"),
+    [
+        ("f32", "f32", False, False),
+        ("f32", "bf16", False, True),
+        ("bf16", "f32", True, False),
+        ("bf16", "bf16", False, True),
+        ("bf16", "bf16", True, True),
+    ],
+)
+def test_every_isa_matches_scalar(isa: str, threads: int, param: str, grad: str, stochastic: bool, out: bool) -> None:
+    for n in SIZES:
+        tensors = q8_tuple(n, param, grad, seed=n)
+        kwargs = {"stochastic_rounding": stochastic, "seed": 7, "grad_scale": 0.5, "weight_decay": 0.1}
+        expected = q8_step("scalar", tensors, threads, out, **kwargs)
+        actual = q8_step(isa, tensors, threads, out, **kwargs)
+        for a, e in zip(actual, expected):
+            assert torch.equal(raw(a), raw(e)), f"{isa}, n={n}, {threads} threads"
+
+
+def test_threads_split_on_scale_blocks() -> None:
+    tensors = q8_tuple(70001, "bf16", "f32", seed=3)
+    assert ops.threads_for(70001) >= 1
+    one, two = (q8_step("scalar", tensors, threads, stochastic_rounding=True) for threads in (1, 2))
+    for a, b in zip(one, two):
+        assert torch.equal(raw(a), raw(b))
+
+
+def test_codes_round_trip_exactly(isa: str) -> None:
+    """A step that changes no moment (g = 0, 1 - beta rounding to 1e-12) gives back its codes and
+    scales bit for bit: decoding is exact and encoding a code's own value returns it."""
+    g = torch.Generator().manual_seed(0)
+    n = 4097
+    m = torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8)
+    m[m == 0x80] = 0  # -0 decodes to -0, and -0 + 0 is +0: code 0
+    u = torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8)
+    m[::256], u[::256] = 0x7F, 0xFF  # each block holds its largest code: its scale stays
+    scales = torch.pow(2.0, torch.randint(-40, 40, (2, quant8.blocks(n)), generator=g).float())
+    tensors = [torch.zeros(n), torch.zeros(n), m, u, scales]
+    still = {"lr": 0.0, "beta1": 1 - 1e-12, "beta2": 1 - 1e-12, "bias_correction": False}
+    _, m2, u2, scales2 = q8_step(isa, tensors, **still)
+    assert torch.equal(m2, m) and torch.equal(u2, u) and torch.equal(scales2, scales)
+
+
+def test_kernel_encodes_like_quant8(isa: str) -> None:
+    """From zero moments with beta1 = beta2 = 0 the new moments are g and sqrt(g * g) in float32,
+    exactly: the kernel's codes and scales must be quant8's, bit for bit, special values included."""
+    g = torch.Generator().manual_seed(1)
+    n = 256 * 40
+    magnitudes = torch.pow(2.0, torch.randint(-60, 60, (n // 256, 1), generator=g).float())
+    grad = (torch.randn(n // 256, 256, generator=g) * magnitudes).reshape(-1)
+    ties = torch.tensor([1.0625, 1.1875, 1.9375, 1.96875, 2.0**-14 * 7.5, 2.0**-14 * 0.5, 2.0**-18])
+    grad[2560:2816] = torch.rand(256, generator=g) * 1.99  # a block with scale 1
+    grad[2560:2567] = ties  # halfway between codes, the saturation edge, the evenly spaced region
+    grad[256:512] = 0.0
+    grad[600] = math.nan
+    grad[900] = math.inf
+    grad[1100] = 1e-45 * 2**20  # tiny next to its block
+    grad[1400:1656] = 1e-30  # g * g underflows
+    zeros = torch.zeros(n, dtype=torch.uint8)
+    tensors = [torch.zeros(n), grad, zeros, zeros, torch.ones(2, quant8.blocks(n))]
+    _, m, u, scales = q8_step(isa, tensors, lr=0.0, beta1=0.0, beta2=0.0, bias_correction=False)
+    m_codes, m_scale = quant8.encode(grad, root=False)
+    u_codes, u_scale = quant8.encode(flushed(grad * grad).sqrt(), root=True)
+    assert torch.equal(m, m_codes[:n]) and torch.equal(u, u_codes[:n])
+    assert torch.equal(raw(scales), raw(torch.stack([m_scale, u_scale])))
+    assert scales[:, 2:4].isnan().all() and (scales[:, 1] == 1).all()  # nan, inf blocks; the zero block
+    assert (u[1400:1656] == 0).all()  # underflowed: v is 0
+
+
+@pytest.mark.parametrize("step", [1, 50])
+def test_scalar_follows_float64_reference(step: int) -> None:
+    """Decode, Adam in float64, encode: the kernel's float32 Adam differs from it by at most
+    delta = 2^-21 (2 |m| + |g|) for m and 2^-21 u for the root (a few float32 roundings, each
+    2^-24 relative to its operands), so a kernel code may differ from the reference's only where
+    the reference value lies within delta of a rounding boundary: then the kernel's decoded value
+    is at most 2 delta farther from the reference than the reference's own code is."""
+    n = 70001
+    p, grad, m_codes, u_codes, scales = q8_tuple(n, "f32", "f32", seed=step)
+    p1, m1, u1, scales1 = q8_step("scalar", [p, grad, m_codes, u_codes, scales], step=step)
+    m0, v0 = quant8.dequantize_moments(m_codes, u_codes, scales)
+    ref_p, ref_m, ref_v = adam_reference(p, grad, m0, v0, step=step, **HYPER)
+    ref_u = ref_v.sqrt()
+    m_ref_codes, m_ref_scale = quant8.encode(ref_m, root=False)
+    u_ref_codes, u_ref_scale = quant8.encode(ref_u, root=True)
+    torch.testing.assert_close(p1.double(), ref_p, rtol=1e-6, atol=1e-9)
+    assert torch.equal(scales1, torch.stack([m_ref_scale, u_ref_scale]))  # no block max near a power of two here
+
+    def check(codes: Tensor, ref_codes: Tensor, scale: Tensor, ref: Tensor, delta: Tensor, root: bool) -> int:
+        padded = torch.zeros(quant8.blocks(n) * 256, dtype=torch.uint8)
+        padded[:n] = codes
+        ours = quant8.decode(padded, scale, root=root)[:n]
+        theirs = quant8.decode(ref_codes, scale, root=root)[:n]
+        differ = codes != ref_codes[:n]
+        assert ((ours - ref).abs() <= (theirs - ref).abs() + 2 * delta).all()
+        return int(differ.sum())
+
+    m_delta = 2.0**-21 * (2 * m0.double().abs() + grad.double().abs())
+    m_differ = check(m1, m_ref_codes, scales1[0], ref_m, m_delta, root=False)
+    u_differ = check(u1, u_ref_codes, scales1[1], ref_u, 2.0**-21 * ref_u, root=True)
+    assert m_differ + u_differ <= n // 1000  # boundaries are rare: the bound is not what passes the test
+
+
+def test_special_values_stay_in_their_blocks() -> None:
+    n = 1024
+    p, grad, m, u, scales = q8_tuple(n, "f32", "f32", seed=5)
+    grad[300] = math.nan
+    grad[700] = 1e18  # huge: v = 1e33 still finite
+    p1, m1, u1, scales1 = q8_step("scalar", [p, grad, m, u, scales])
+    assert scales1[:, 1].isnan().all() and p1[300].isnan()
+    assert p1[256:512].isnan().sum() == 1  # the NaN moments show up on the next step only
+    assert scales1[:, [0, 2, 3]].isfinite().all() and p1[~p1.isnan()].isfinite().all()
+    _, _, _, scales2 = q8_step("scalar", [p1, torch.zeros(n), m1, u1, scales1])
+    assert scales2[:, 1].isnan().all() and scales2[:, [0, 2, 3]].isfinite().all()
+    zeros = [torch.zeros(n), torch.zeros(n), torch.zeros(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)]
+    pz, mz, uz, sz = q8_step("scalar", [*zeros, torch.ones(2, 4)])
+    assert (pz == 0).all() and (mz == 0).all() and (uz == 0).all() and (sz == 1).all()
+
+
+def test_positive_root_never_rounds_to_zero() -> None:
+    u = torch.tensor([1.0] + [2.0**-30] * 255)
+    codes, _ = quant8.encode(u, root=True)
+    assert (codes[1:] == 1).all()
+
+
+# ---- refusals ----
+
+
+def refused_step(match: str, *, scales: list[Tensor] | None, moments_dtype: torch.dtype = torch.uint8) -> None:
+    n = 300
+    p, g = torch.zeros(n), torch.zeros(n)
+    m, u = torch.zeros(n, dtype=moments_dtype), torch.zeros(n, dtype=moments_dtype)
+    before = [t.clone() for t in (p, m, u, *(scales or []))]
+    with pytest.raises(RuntimeError, match=match):
+        ops.adam_step([p], [g], [m], [u], state_scales=scales, step=1, **HYPER)
+    for a, b in zip((p, m, u, *(scales or [])), before):
+        assert torch.equal(a, b)
+
+
+def test_refuses_wrong_scales() -> None:
+    refused_step(r"shape \[2, 1\]|\[2, 2\]", scales=[torch.ones(2, 1)])
+    refused_step(r"float32 of shape", scales=[torch.ones(2, 2, dtype=torch.float64)])
+    refused_step(r"float32 of shape", scales=[torch.ones(4)])
+    refused_step(r"need their state_scales", scales=None)
+    refused_step(r"need their state_scales", scales=[torch.ones(2, 2)], moments_dtype=torch.float32)
+    refused_step(r"one tensor per param", scales=[torch.ones(2, 2), torch.ones(2, 2)])
+
+
+def test_refuses_mixing_and_shared_scales() -> None:
+    p, g = [torch.zeros(300), torch.zeros(300)], [torch.zeros(300), torch.zeros(300)]
+    m = [torch.zeros(300, dtype=torch.uint8), torch.zeros(300)]
+    u = [torch.zeros(300, dtype=torch.uint8), torch.zeros(300)]
+    with pytest.raises(RuntimeError, match="cannot mix"):
+        ops.adam_step(p, g, m, u, state_scales=[torch.ones(2, 2), torch.ones(2, 2)], step=1, **HYPER)
+    codes = [torch.zeros(300, dtype=torch.uint8) for _ in range(4)]
+    shared = torch.ones(2, 2)
+    with pytest.raises(RuntimeError, match="share memory"):
+        ops.adam_step(p, g, codes[:2], codes[2:], state_scales=[shared, shared], step=1, **HYPER)
+    with pytest.raises(RuntimeError, match="dtype"):
+        ops.adam_step(
+            [torch.zeros(300, dtype=torch.uint8)], g[:1], codes[:1], codes[1:2], state_scales=[shared], step=1, **HYPER
+        )
+
+
+def test_bumps_scale_versions() -> None:
+    p, g, m, u, scales = q8_tuple(300, "f32", "f32", seed=0)
+    version = scales._version
+    ops.adam_step([p], [g], [m], [u], state_scales=[scales], step=1, **HYPER)
+    assert scales._version > version
+
+
+@pytest.mark.parametrize("offset", [0, 2**32 - 100, 2**32 - 256 * 3 - 2])
+def test_same_step_as_float_states_then_encoded(isa: str, offset: int) -> None:
+    """The 8-bit step is the float32-state step on the decoded moments, followed by the encode:
+    params (stochastic rounding included, with the 32-bit counter wrapping inside a block, where
+    the float kernel splits its segment) bit for bit, and codes equal to quant8's of the new m and
+    sqrt(v)."""
+    n = 4097
+    p, grad, m_codes, u_codes, scales = q8_tuple(n, "bf16", "f32", seed=11)
+    kwargs = {"stochastic_rounding": True, "seed": 3, "counter_offsets": [offset], "step": 4}
+    p8, m8, u8, scales8 = q8_step(isa, [p, grad, m_codes, u_codes, scales], **kwargs)
+    m, v = quant8.dequantize_moments(m_codes, u_codes, scales)
+    pf = p.clone()
+    with ops.force_isa(isa):
+        ops.adam_step([pf], [grad], [m], [v], **{**HYPER, **kwargs})
+    assert torch.equal(raw(p8), raw(pf))
+    m_expected, m_scale = quant8.encode(m, root=False)
+    u_expected, u_scale = quant8.encode(v.sqrt(), root=True)
+    assert torch.equal(m8, m_expected[:n]) and torch.equal(u8, u_expected[:n])
+    assert torch.equal(raw(scales8), raw(torch.stack([m_scale, u_scale])))
