@@ -79,6 +79,7 @@ class GradCollector:
         self._ready: set[tuple[int, int]] = set()
         self._order_learned = False
         self._filled: list[tuple[int, int]] = []  # the first backward's buckets, in the order they filled
+        self.window = 0  # counts resets: placeholders made before the last one are stale
         self._window_sq: list[Tensor | None] | None = None  # once taken, the window is closed to new grads
         self._factors: dict[tuple[int, int], list[Tensor | float]] = {}  # multiplications of placeholder grads
 
@@ -342,6 +343,7 @@ class GradCollector:
     def reset(self) -> None:
         """Forgets the window's grads: the next backward starts a new one."""
         self.micro = 0
+        self.window += 1
         self._window_sq = None
         self._factors.clear()
         self._running.clear()

@@ -62,6 +62,8 @@ _FIX = (
 class GradSource(Protocol):
     """The side of the optimizer that holds the grads on the host."""
 
+    window: int  # counts the steps and zero_grads: a placeholder of an earlier window is stale
+
     def grad_norm(self, g: int, i: int) -> float: ...
 
     def scale_grad(self, g: int, i: int, factor: Tensor | float) -> None: ...
@@ -70,7 +72,7 @@ class GradSource(Protocol):
 class OffloadedGrad(Tensor):
     """A grad the offload optimizer holds on the host: its norm and scaling work, any other use raises."""
 
-    _source: tuple[weakref.ref[GradSource], int, int]
+    _source: tuple[weakref.ref[GradSource], int, int, int]  # (source, group, param, window)
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -83,6 +85,8 @@ class OffloadedGrad(Tensor):
             return super().__torch_function__(func, types, args, kwargs)
         if name in _MOVES:  # model.to(...) / model.cpu() move the grads too: still held on the host
             return args[0]._moved(func, *args[1:], **kwargs)
+        if name == "zero_":  # model.zero_grad(set_to_none=False)
+            return args[0]._zeroed()
         handler = _HANDLERS.get(name)
         if handler is not None:
             return handler(*args, **kwargs)
@@ -105,11 +109,27 @@ class OffloadedGrad(Tensor):
         source, g, i = self._resolve()
         source.scale_grad(g, i, factor)
 
+    def _zeroed(self) -> OffloadedGrad:
+        ref, _, _, window = self._source
+        source = ref()
+        if source is not None and source.window == window:
+            raise RuntimeError(
+                "cpu_adam.OffloadOptimizer: this grad is part of the grads waiting for the next step() on the host; "
+                "drop them with optimizer.zero_grad() (or model.zero_grad(), which sets grads to None)"
+            )
+        return self  # a grad the optimizer already stepped or dropped: nothing to zero
+
     def _resolve(self) -> tuple[GradSource, int, int]:
-        ref, g, i = self._source
+        ref, g, i, window = self._source
         source = ref()
         if source is None:
             raise RuntimeError("cpu_adam.OffloadOptimizer: this grad belongs to an optimizer that no longer exists")
+        if source.window != window:
+            raise RuntimeError(
+                "cpu_adam.OffloadOptimizer: this grad was already used by step() or dropped by zero_grad(); its norm "
+                "and scaling belong to the backward passes before that. Take norms and clip after backward, before "
+                "step(), and clear grads after the step (optimizer.zero_grad() or model.zero_grad())"
+            )
         return source, g, i
 
 
@@ -178,5 +198,5 @@ def placeholder(param: Tensor, source: GradSource, g: int, i: int) -> OffloadedG
     if key not in _scalars:
         _scalars[key] = torch.zeros((), dtype=param.dtype, device=param.device)
     grad = _scalars[key].expand(param.shape).as_subclass(OffloadedGrad)
-    grad._source = (weakref.ref(source), g, i)
+    grad._source = (weakref.ref(source), g, i, source.window)
     return grad

@@ -385,3 +385,20 @@ def test_weights_loaded_into_the_model_between_steps_are_trained_from():
         oracle.step(tap.take())
         opt.step()
         assert_matches_oracle(opt, list(model.parameters()), oracle)
+
+
+def test_stale_placeholders_refuse_norms_and_zeroing_them_is_a_no_op():
+    # A loop that clips after step() would read the next window's norms: refused. A module's
+    # zero_grad(set_to_none=False) after the step zeroes nothing that matters: allowed.
+    model = make_model(0)
+    opt = OffloadOptimizer(model.parameters(), **HYPER)
+    lm_loss(model, batches(1)[0]).backward()
+    with pytest.raises(RuntimeError, match=r"optimizer\.zero_grad\(\)"):
+        model.zero_grad(set_to_none=False)  # the window's grads are still to be stepped
+    opt.step()
+    with pytest.raises(RuntimeError, match="already used by step"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    model.zero_grad(set_to_none=False)
+    lm_loss(model, batches(1)[0]).backward()
+    assert float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)) > 0
+    opt.step()
