@@ -4,12 +4,14 @@
 the CPU (any float dtype) gives its values to the host master weights first, at full precision
 (an fp32 model keeps fp32 masters, not bf16-rounded ones), and then moves to the device as bf16,
 one param at a time: the device never holds more than the bf16 weights, and the host lets go of
-each CPU tensor as it moves. A param on the meta device is given empty bf16 storage on the
-device; its weights must be written (``model.load_state_dict(...)``, an init) before the first
-step, which checks that through the params' version counters.
+each CPU tensor as it moves. A param on the meta device is given bf16 storage on the device
+filled with NaN; its weights must be written (``model.load_state_dict(...)``, an init, also
+through ``p.data``) before the first step, which checks that no such param is still all NaN.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -46,13 +48,11 @@ def check_sources(params: list[Tensor], device: torch.device) -> None:
             )
 
 
-def hand_over(
-    groups: list[GroupBuffers | None], device: torch.device, comm: ShardComm | None
-) -> list[tuple[Tensor, int]]:
+def hand_over(groups: list[GroupBuffers | None], device: torch.device, comm: ShardComm | None) -> list[Tensor]:
     """Moves every param of ``groups`` to ``device`` as bf16, filling the masters from the CPU values.
 
-    Returns the params that came from the meta device, with their version counters then, for
-    the check that their weights were written before the first step.
+    Returns the params that came from the meta device, for the check that their weights were
+    written before the first step.
     """
     unwritten = []
     for group in groups:
@@ -64,8 +64,8 @@ def hand_over(
                 segments.setdefault(i, []).append((part, host))
         for i, p in enumerate(group.params):
             if p.is_meta:
-                _replace_storage(p, torch.empty(p.shape, dtype=torch.bfloat16, device=device))
-                unwritten.append((p, p._version))
+                _replace_storage(p, torch.full(p.shape, math.nan, dtype=torch.bfloat16, device=device))
+                unwritten.append(p)
                 continue
             values = p.detach()
             if comm is not None:  # ranks initialised with other seeds would train a patchwork

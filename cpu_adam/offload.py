@@ -239,8 +239,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             else None
             for ps in trainable
         ]
-        # Params from the meta device, with their version when materialised: written before the first step?
-        self._unwritten: list[tuple[Tensor, int]] = []
+        # Params from the meta device, filled with NaN when materialised: written before the first step?
+        self._unwritten: list[Tensor] = []
         if device is not None:
             self._unwritten = hand_over(self._groups, self._dev.device, self._comm)
             self._check_params(trainable)
@@ -382,10 +382,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
             )
 
     def _check_written(self) -> None:
-        if any(p._version == version for p, version in self._unwritten):
+        if any(p.numel() > 0 and bool(p.isnan().all()) for p in self._unwritten):
             raise RuntimeError(
-                "cpu_adam.OffloadOptimizer: the model was built on the meta device and its weights were never "
-                "written: load them (model.load_state_dict(state_dict)) or initialise them before the first step"
+                "cpu_adam.OffloadOptimizer: the model was built on the meta device and a param is still all NaN, "
+                "as the optimizer filled it: load the weights (model.load_state_dict(state_dict)) or initialise "
+                "them before the first step"
             )
         self._unwritten = []
 
@@ -588,11 +589,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         the rank, world size and bucket size that say how the shard was cut.
 
         Tensors are references to the live buffers (as with torch's optimizers): save or copy
-        the dict before the next step. A group that has not stepped holds no moments (they are
-        zero) and no masters unless they differ from the params' weights (a model handed over from
-        the CPU in fp32), as torch's optimizers create state at the first step: accelerate's
-        ``prepare`` moves a state dict to the device and loads it back, which must not put the
-        whole host state on the GPU.
+        the dict before the next step. A group that has not stepped holds no tensors, as torch's
+        optimizers create state at the first step: accelerate's ``prepare`` moves a state dict to
+        the device and loads it back, which must not put the host state on the GPU. Loading such a
+        dict zeroes the moments and keeps the masters (a handed-over model's fp32 values too).
         """
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
@@ -605,11 +605,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 "param_steps": list(group.steps),
                 "shapes": [tuple(s) for s in group.layout.shapes],
             }
-            if group.master_synced or any(group.steps):
-                self._sync_masters()
-                state[g]["master"] = group.master
             if any(group.steps):
-                state[g].update(exp_avg=group.exp_avg, exp_avg_sq=group.exp_avg_sq)
+                self._sync_masters()
+                state[g].update(master=group.master, exp_avg=group.exp_avg, exp_avg_sq=group.exp_avg_sq)
         param_groups = []
         index = 0
         for options in self.param_groups:
@@ -689,8 +687,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 group.steps = [int(x) for x in saved.get("param_steps", [saved["step"]] * len(group.params))]
                 for name in ("exp_avg", "exp_avg_sq"):
                     getattr(group, name).zero_()  # a group that had not stepped saves none
-                if "master" not in saved:  # nor masters that were the weights: taken from them again
-                    group.master_synced = False
+                if "master" not in saved:  # nor masters: they stay (the weights, or a handed-over model's values)
                     continue
                 for name in ("master", "exp_avg", "exp_avg_sq"):
                     if name in saved:

@@ -631,12 +631,11 @@ def grouped(optimizer: torch.optim.Optimizer, index: int | None) -> list[Tensor]
 
 
 def offload_state(optimizer: OffloadOptimizer, params: list[Tensor]) -> list[Any]:
-    optimizer.master_weights()  # taken from the weights: a state dict before the first step holds them then
-    saved = optimizer.state_dict()
-    out = [p.detach().clone() for p in params] + [saved["skipped_steps"]]
-    for state in saved["state"].values():
-        moments = [state[k].clone() if k in state else torch.zeros_like(state["master"]) for k in MOMENTS]
-        out += [state["master"].clone(), *moments, list(state["param_steps"])]
+    out = [p.detach().clone() for p in params] + [optimizer.skipped_steps]
+    out += [m.clone() for m in optimizer.master_weights()]
+    for group in optimizer._groups:  # the host buffers: a state dict before the first step holds none
+        if group is not None:
+            out += [group.exp_avg.clone(), group.exp_avg_sq.clone(), list(group.steps)]
     return out
 
 

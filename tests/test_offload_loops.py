@@ -37,11 +37,10 @@ def _simulated_oom(grad: torch.Tensor) -> None:
 
 
 def _state(model: nn.Module, opt: OffloadOptimizer) -> list[torch.Tensor]:
-    opt.master_weights()  # taken from the weights: a state dict before the first step then holds them too
-    sd = opt.state_dict()["state"][0]
     weights = [p.detach().clone() for p in model.parameters()]
-    moments = [sd[k].clone() if k in sd else torch.zeros_like(sd["master"]) for k in ("exp_avg", "exp_avg_sq")]
-    return [*weights, sd["master"].clone(), *moments]  # before the first step, the moments are zero
+    masters = [m.clone() for m in opt.master_weights()]
+    group = opt._groups[0]  # the moments as the host holds them (a state dict before a step has none)
+    return [*weights, *masters, group.exp_avg.clone(), group.exp_avg_sq.clone()]
 
 
 def _train_skipping_a_failed_batch(fail_at: int | None, micro_batches: int = 1) -> list[torch.Tensor]:

@@ -165,7 +165,7 @@ def _robustness_rank(rank: int, world_size: int, out: Path) -> None:
     # The same, handed over from fp32 CPU models: rank 0's fp32 values become every rank's masters.
     model = make_model(seed=rank, dtype=torch.float32)
     opt = _zero_opt(model, device="cpu")
-    torch.save(_snapshot(model, opt), out / f"handover{rank}.pt")
+    torch.save(_snapshot(model, opt, master=opt._groups[0].master.clone()), out / f"handover{rank}.pt")
 
     # Graphs that differ: rank 1 leaves the MLP out, or multiplies it by 0 (the same zero grads,
     # sent in another order). No hang, no error, the same bits.
@@ -333,7 +333,9 @@ def test_clip_grad_norm_on_the_model_clips_every_rank_alike(parity_run: Path):
 
 def test_a_model_handed_over_from_the_cpu_takes_rank_0s_fp32_values(robustness_run: Path):
     ranks = _load(robustness_run, "handover")
-    master = consolidate_state_dict([r["state"] for r in ranks])["state"][0]["master"]
+    # Before the first step the state dicts hold no tensors: the shards as the host holds them.
+    shards = [{**r["state"], "state": {0: {**r["state"]["state"][0], "master": r["master"]}}} for r in ranks]
+    master = consolidate_state_dict(shards)["state"][0]["master"]
     rank0 = list(make_model(seed=0, dtype=torch.float32).parameters())
     for p, start in zip(rank0, canonical_offsets([p.shape for p in rank0])):
         assert torch.equal(master[start : start + p.numel()], p.detach().reshape(-1))
