@@ -13,25 +13,12 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 
 #include "adam_kernel.h"
 #include "quant8.h"
 
 namespace cpu_adam {
 namespace {
-
-inline uint32_t float_bits(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  return u;
-}
-
-inline float bits_float(uint32_t u) {
-  float x;
-  std::memcpy(&x, &u, sizeof x);
-  return x;
-}
 
 // Counter-based random bits: 16 per element, half of one lowbias32 hash of
 // (counter / 2 + key), so a vector of 16 elements costs 8 hashes. The key, a
@@ -54,7 +41,7 @@ struct ScalarOps {
 
   static F set1(float x) { return x; }
   static F load(const float* p) { return *p; }
-  static F load(const uint16_t* p) { return bits_float(uint32_t{*p} << 16); }
+  static F load(const uint16_t* p) { return f32_from_bits(uint32_t{*p} << 16); }
   static void store(float* p, F x) { *p = x; }
   static void store16(uint16_t* p, H bits) { *p = static_cast<uint16_t>(bits); }
   static F add(F a, F b) { return a + b; }
@@ -64,13 +51,13 @@ struct ScalarOps {
   static F sqrt(F a) { return std::sqrt(a); }
 
   static H bf16_nearest(F x) {
-    const uint32_t u = float_bits(x);
+    const uint32_t u = f32_bits(x);
     if ((u & kF32AbsMask) > kF32Inf) return (u >> 16) | kBf16QuietBit;
     return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
   }
   // Rounds away from zero with probability equal to the discarded fraction.
   static H bf16_stochastic(F x, U random16) {
-    const uint32_t u = float_bits(x);
+    const uint32_t u = f32_bits(x);
     if ((u & kF32AbsMask) > kF32Inf) return (u >> 16) | kBf16QuietBit;
     return (u + random16) >> 16;
   }
