@@ -1,4 +1,5 @@
-"""Host bytes per parameter held by CPUAdam, torch.optim.AdamW and DeepSpeedCPUAdam.
+"""Host bytes per parameter held by CPUAdam, torch.optim.AdamW and DeepSpeedCPUAdam; then by the
+offload optimizer (master weights, moments and its pinned bf16 buffer, on the CPU device).
 
     python benchmarks/bench_memory.py                 # 2^24 params per case
     python benchmarks/bench_memory.py --size 2^26 --json memory.json
@@ -12,6 +13,11 @@ of one case never count towards another. Measured, not computed from the dtypes:
   the kept state plus temporaries the step needed while it ran.
 Params and grads are allocated before the step and reported from their dtypes: the optimizer
 takes them as given (torch wants a grad in its param's dtype, so all three get the same).
+For the offload optimizer the model's bf16 weights and grads are on the device: its host bytes
+are what ``memory_stats()`` counts after two steps, and the RSS delta over its construction
+(every host buffer is allocated and zeroed there). Here the CPU stands in for the device, so
+the process's RSS also grows by the stand-in device's grads and their temporaries, which on a
+GPU are device memory; that growth is not the optimizer's host state and is not reported.
 """
 
 from __future__ import annotations
@@ -37,6 +43,15 @@ CPU_ADAM, TORCH_FOREACH, TORCH_FUSED, DEEPSPEED = (
 # (params, states): the rows of DESIGN.md's byte budget table.
 CASES = [("fp32", "fp32"), ("fp32", "bf16"), ("bf16", "fp32"), ("bf16", "bf16"), ("fp32", "8bit"), ("bf16", "8bit")]
 IMPLEMENTATIONS = (CPU_ADAM, TORCH_FOREACH, TORCH_FUSED, DEEPSPEED)
+OFFLOAD = "OffloadOptimizer"
+# (master weights, states, stochastic rounding of bf16 masters)
+OFFLOAD_CASES = [
+    ("fp32", "fp32", False),
+    ("fp32", "bf16", False),
+    ("bf16", "bf16", True),
+    ("fp32", "8bit", False),
+    ("bf16", "8bit", True),
+]
 
 
 def supported(impl: str, param: str, state: str) -> bool:
@@ -107,6 +122,47 @@ def measure(impl: str, param: str, state: str, n: int) -> dict:
     }
 
 
+def measure_offload(master: str, state: str, n: int) -> dict:
+    """Runs in the child: the offload optimizer over one flat bf16 param, two steps."""
+    import torch
+
+    from cpu_adam import OffloadOptimizer, ops
+
+    ops.active_isa()
+    warm = torch.nn.Parameter(torch.zeros(8, dtype=torch.bfloat16))
+    OffloadOptimizer([warm]).close()  # torch.optim's first construction imports ~70 MB of modules
+    p = torch.nn.Parameter(torch.randn(n, dtype=torch.bfloat16))
+    grad = torch.randn(n, dtype=torch.bfloat16).mul_(1e-2)
+    before = rss_bytes()
+    master_dtype = torch.float32 if master == "fp32" else torch.bfloat16
+    opt = OffloadOptimizer(
+        [p],
+        lr=1e-3,
+        weight_decay=0.01,
+        master_weights_dtype=master_dtype,
+        state_precision=state,
+        stochastic_rounding=master == "bf16",
+    )
+    built = rss_bytes()
+    for _ in range(2):
+        p.backward(grad)  # the optimizer's hook takes the grad as backward delivers it
+        opt.step()
+        opt.zero_grad()
+    stats = opt.memory_stats()
+    return {
+        "implementation": OFFLOAD,
+        "master": master,
+        "states": state,
+        "size": n,
+        "host_bytes_per_param": stats["host_bytes_per_param"],
+        "master_bytes_per_param": stats["master_bytes"] / n,
+        "state_bytes_per_param": stats["state_bytes"] / n,
+        "pinned_bytes_per_param": stats["pinned_bytes"] / n,
+        "accumulator_bytes_per_param": stats["accumulator_bytes"] / n,
+        "rss_delta_built_bytes_per_param": (built - before) / n,
+    }
+
+
 def run_child(impl: str, param: str, state: str, n: int) -> dict:
     cmd = [sys.executable, __file__, "--child", impl, param, state, "--size", str(n)]
     done = subprocess.run(cmd, capture_output=True, text=True)
@@ -124,7 +180,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     n = parse_size(args.size)
     if args.child:
-        print(json.dumps(measure(*args.child, n)))
+        impl, first, state = args.child
+        print(json.dumps(measure_offload(first, state, n) if impl == OFFLOAD else measure(impl, first, state, n)))
         return
 
     ds_cls, ds_status = deepspeed_adam()
@@ -156,6 +213,22 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# host bytes per parameter, {size_label(n)} params, one flat param per optimizer\n")
     headers = ["params/states", "optimizer", "state (tensors)", "RSS delta, 1st step", "peak extra", "param+grad"]
     print(format_table([*headers, "held in all"], rows))
+
+    offload_rows = []
+    for master, state, stochastic in OFFLOAD_CASES:
+        r = run_child(OFFLOAD, master, state, n)
+        results.append(r)
+        offload_rows.append(
+            [
+                f"{master}{' SR' if stochastic else ''}/{state}",
+                *(f"{r[k]:.2f}" for k in ("master_bytes_per_param", "state_bytes_per_param", "pinned_bytes_per_param")),
+                f"{r['host_bytes_per_param']:.2f}",
+                f"{r['rss_delta_built_bytes_per_param']:.2f}",
+            ]
+        )
+    print(f"\n# {OFFLOAD}: host bytes per parameter, {size_label(n)} params (bf16 weights and grads on the device)\n")
+    headers = ["master/states", "master", "states", "pinned bf16", "host (memory_stats)", "RSS delta, built"]
+    print(format_table(headers, offload_rows))
     if args.json:
         Path(args.json).write_text(json.dumps({"size": n, "deepspeed": ds_status, "results": results}, indent=1))
 

@@ -1,8 +1,9 @@
 """Layout of one param group in a flat buffer: offsets, buckets, the pieces a rank owns, and the
 conversions between a rank's shard and the one-process layout that full state dicts use.
 
-Each param starts on an ALIGN-element boundary (128 bytes in bf16, a cache line or two in
-every dtype the host buffers use), so the kernel's per-thread splits never share a line.
+Each param starts on an ALIGN-element boundary: an 8-bit state's scale block (256 elements), so
+a block never holds two params and a kernel call can start at any param; and whole cache lines
+in every dtype the host buffers use, so the kernel's per-thread splits never share a line.
 Padding elements hold zero grads, so Adam keeps them at zero forever.
 
 With ZeRO over ``world_size`` ranks every bucket is padded to a multiple of ALIGN * world_size
@@ -10,7 +11,11 @@ and split into ``world_size`` equal pieces; rank r owns piece r of every bucket.
 reduce-scatter and all-gather see equal, aligned sizes and can start as soon as that bucket is
 ready (a rank owning one contiguous 1/N of the group would need every bucket's grads before
 its first collective). The rank's host buffers are its pieces back to back: the piece of the
-bucket starting at flat offset s lies at host offset s / world_size.
+bucket starting at flat offset s lies at host offset s / world_size. Pieces are cut on ALIGN
+boundaries, so 8-bit states shard on whole scale blocks.
+
+Block tensors (the 8-bit states' scales: ``per`` elements per entry of their last dimension)
+convert between shard and full layouts like element tensors, block by block.
 """
 
 from __future__ import annotations
@@ -22,9 +27,21 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["ALIGN", "Bucket", "FlatLayout", "canonical_offsets", "check_shard", "full_to_shard", "shards_to_full"]
+from .quant8 import BLOCK
 
-ALIGN = 64
+__all__ = [
+    "ALIGN",
+    "Bucket",
+    "FlatLayout",
+    "canonical_offsets",
+    "check_shard",
+    "from_legacy_layout",
+    "full_to_shard",
+    "shards_to_full",
+]
+
+ALIGN = BLOCK
+LEGACY_ALIGN = 64  # the layout of state dicts in format 1
 
 
 def _align_up(n: int, to: int) -> int:
@@ -62,14 +79,16 @@ class FlatLayout:
     Bucket membership does not depend on ``world_size``, only the padding between buckets does.
     """
 
-    def __init__(self, shapes: list[torch.Size], bucket_size: int, *, world_size: int = 1, rank: int = 0) -> None:
+    def __init__(
+        self, shapes: list[torch.Size], bucket_size: int, *, world_size: int = 1, rank: int = 0, align: int = ALIGN
+    ) -> None:
         if bucket_size < 1:
             raise ValueError(f"bucket_size must be positive, got {bucket_size}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside a world of {world_size}")
         self.shapes = shapes
         self.numels = [s.numel() for s in shapes]
-        self.world_size, self.rank = world_size, rank
+        self.world_size, self.rank, self.align = world_size, rank, align
         self.offsets: list[int] = []
         self.buckets: list[Bucket] = []
         end = 0
@@ -78,10 +97,10 @@ class FlatLayout:
             start = end
             for i in range(first, last):
                 self.offsets.append(end)
-                end = _align_up(end + self.numels[i], ALIGN)
+                end = _align_up(end + self.numels[i], align)
             if b == len(spans) - 1:
                 end = max(end, 1)  # an all-empty group still gets one aligned block
-            end = _align_up(end, ALIGN * world_size)
+            end = _align_up(end, align * world_size)
             self.buckets.append(Bucket(start, end, first, last))
         self.numel = end
         self.shard_numel = self.numel // world_size
@@ -96,8 +115,8 @@ class FlatLayout:
 
     def _partition(self, bucket_size: int) -> list[tuple[int, int]]:
         # Consecutive params up to bucket_size elements (a bigger param gets a bucket alone),
-        # measured with ALIGN padding only, so every world size groups the params alike.
-        sizes = [_align_up(n, ALIGN) for n in self.numels]
+        # measured with alignment padding only, so every world size groups the params alike.
+        sizes = [_align_up(n, self.align) for n in self.numels]
         spans: list[tuple[int, int]] = []
         first, span = 0, sizes[0] if sizes else 0
         for i in range(1, len(sizes)):
@@ -134,9 +153,9 @@ _RESHARD_FIX = (
 )
 
 
-def _canonical(shapes: list[torch.Size]) -> FlatLayout:
+def _canonical(shapes: list[torch.Size], align: int = ALIGN) -> FlatLayout:
     # Offsets of the one-process layout do not depend on the bucket size: one bucket will do.
-    return FlatLayout(shapes, 1 << 62)
+    return FlatLayout(shapes, 1 << 62, align=align)
 
 
 def canonical_offsets(shapes: list[torch.Size]) -> list[int]:
@@ -144,35 +163,53 @@ def canonical_offsets(shapes: list[torch.Size]) -> list[int]:
     return _canonical(shapes).offsets
 
 
-def full_to_shard(full: Tensor, layout: FlatLayout) -> Tensor:
-    """This rank's shard (its pieces back to back) of a tensor in the one-process layout."""
+def _blocks(lo: int, hi: int, per: int) -> slice:
+    """The entries of a tensor holding one entry per ``per`` elements that cover elements ``[lo, hi)``."""
+    return slice(lo // per, (hi + per - 1) // per)
+
+
+def _copy_params(dst: Tensor, dst_layout: FlatLayout, src: Tensor, src_layout: FlatLayout, per: int) -> None:
+    for i in range(len(src_layout.shapes)):
+        dst[..., _blocks(*dst_layout.param_range(i), per)] = src[..., _blocks(*src_layout.param_range(i), per)]
+
+
+def full_to_shard(full: Tensor, layout: FlatLayout, *, per: int = 1) -> Tensor:
+    """This rank's shard (its pieces back to back) of a tensor in the one-process layout.
+
+    ``per``: elements per entry of the last dimension (the 8-bit states' block scales: BLOCK).
+    """
     canonical = _canonical(layout.shapes)
-    if full.numel() != canonical.numel:
-        raise ValueError(f"a full state tensor has {full.numel()} elements, the layout needs {canonical.numel}")
+    if full.shape[-1] != canonical.numel // per:
+        raise ValueError(f"a full state tensor has {full.shape[-1]} entries, the layout needs {canonical.numel // per}")
     if layout.world_size == 1 and layout.offsets == canonical.offsets and layout.numel == canonical.numel:
         return full
-    flat = full.new_zeros(layout.numel)
-    for i in range(len(layout.shapes)):
-        lo, hi = layout.param_range(i)
-        c_lo, c_hi = canonical.param_range(i)
-        flat[lo:hi] = full[c_lo:c_hi]
-    return torch.cat([flat[p.flat : p.flat + p.numel] for p in layout.pieces])
+    flat = full.new_zeros(*full.shape[:-1], layout.numel // per)
+    _copy_params(flat, layout, full, canonical, per)
+    return torch.cat([flat[..., _blocks(p.flat, p.flat + p.numel, per)] for p in layout.pieces], dim=-1)
 
 
-def shards_to_full(shards: list[Tensor], layouts: list[FlatLayout]) -> Tensor:
+def shards_to_full(shards: list[Tensor], layouts: list[FlatLayout], *, per: int = 1) -> Tensor:
     """Inverse of ``full_to_shard``: the ranks' shards, in rank order, as one tensor in the one-process layout."""
     zero_layout = layouts[0]
-    flat = shards[0].new_zeros(zero_layout.numel)
+    lead = shards[0].shape[:-1]
+    flat = shards[0].new_zeros(*lead, zero_layout.numel // per)
     for shard, layout in zip(shards, layouts):
         for p in layout.pieces:
-            flat[p.flat : p.flat + p.numel] = shard[p.host : p.host + p.numel]
+            flat[..., _blocks(p.flat, p.flat + p.numel, per)] = shard[..., _blocks(p.host, p.host + p.numel, per)]
     canonical = _canonical(zero_layout.shapes)
-    full = shards[0].new_zeros(canonical.numel)
-    for i in range(len(zero_layout.shapes)):
-        lo, hi = zero_layout.param_range(i)
-        c_lo, c_hi = canonical.param_range(i)
-        full[c_lo:c_hi] = flat[lo:hi]
+    full = shards[0].new_zeros(*lead, canonical.numel // per)
+    _copy_params(full, canonical, flat, zero_layout, per)
     return full
+
+
+def from_legacy_layout(full: Tensor, shapes: list[torch.Size]) -> Tensor:
+    """A full state tensor saved in format 1 (params on LEGACY_ALIGN boundaries) in today's one-process layout."""
+    legacy = _canonical(shapes, LEGACY_ALIGN)
+    if full.numel() != legacy.numel:
+        raise ValueError(f"a full state tensor has {full.numel()} elements, the layout needs {legacy.numel}")
+    out = full.new_zeros(_canonical(shapes).numel)
+    _copy_params(out, _canonical(shapes), full, legacy, 1)
+    return out
 
 
 def check_shard(zero: dict[str, Any], rank: int, world_size: int, bucket_size: int) -> None:

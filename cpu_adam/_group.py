@@ -1,9 +1,9 @@
 """One param group of the offload optimizer: its params and the host storage of this rank's shard.
 
 Params keep their own device storage; the flat layout (``_flat.py``: buckets, ZeRO pieces)
-exists on the host only: masters, moments, the pinned bf16 buffer that receives the grads and
-then the updated weights, the fp32 accumulator of multi-flush buckets, and per param whether it
-got a grad in this window and how many steps it has taken.
+exists on the host only: masters, moments (8-bit ones with their block scales), the pinned bf16
+buffer that receives the grads and then the updated weights, the fp32 accumulator of multi-flush
+buckets, and per param whether it got a grad in this window and how many steps it has taken.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from torch import Tensor
 from ._device import DeviceOps, Event
 from ._flat import FlatLayout, canonical_offsets
 from ._pinned import HostBuffer
+from .quant8 import BLOCK
 
 __all__ = ["BucketState", "GroupBuffers"]
 
@@ -54,6 +55,8 @@ class GroupBuffers:
         self.versions: list[int] = []
         self.exp_avg = torch.zeros(n, dtype=state_dtype)
         self.exp_avg_sq = torch.zeros(n, dtype=state_dtype)
+        # 8-bit moments (uint8 codes): both moments' scale per block; an all-zero block's is 1.
+        self.state_scales = torch.ones(2, n // BLOCK) if state_dtype == torch.uint8 else None
         self.grads: HostBuffer = dev.host_buffer(n, torch.bfloat16)  # grads down, then weights up
         self.accumulator: Tensor | None = None
         self.buckets = [BucketState() for _ in layout.buckets]
@@ -96,6 +99,16 @@ class GroupBuffers:
             index = torch.tensor([i for i, _, _ in segments], dtype=torch.int64).to(self.param_device)
             self.sq_plans[b] = index, [slice(h.start - piece.host, h.stop - piece.host) for _, _, h in segments]
         return self.sq_plans[b]
+
+    def scales_of(self, host: slice) -> Tensor:
+        """The block scales of host elements ``host`` (8-bit moments; a run starts on a block boundary)."""
+        return self.state_scales[:, host.start // BLOCK : (host.stop + BLOCK - 1) // BLOCK]
+
+    def reset_moments(self) -> None:
+        self.exp_avg.zero_()
+        self.exp_avg_sq.zero_()
+        if self.state_scales is not None:
+            self.state_scales.fill_(1.0)
 
     @property
     def param_device(self) -> torch.device:

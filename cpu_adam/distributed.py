@@ -15,11 +15,14 @@ from typing import Any
 import torch
 
 from ._flat import FlatLayout, shards_to_full
+from ._precision import MOMENTS, SCALES
 from ._threads import cores_per_local_rank
+from .offload import STATE_DICT_FORMAT
+from .quant8 import BLOCK
 
 __all__ = ["consolidate_state_dict", "cores_per_local_rank"]
 
-_STATE_TENSORS = ("master", "exp_avg", "exp_avg_sq")
+_STATE_TENSORS = ("master", *MOMENTS, SCALES)
 
 
 def consolidate_state_dict(shard_state_dicts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -34,6 +37,13 @@ def consolidate_state_dict(shard_state_dicts: list[dict[str, Any]]) -> dict[str,
         raise ValueError(
             "consolidate_state_dict: a state dict is not a ZeRO shard (no 'zero' entry): it is already a full state "
             "dict, load it directly"
+        )
+    formats = sorted({str(sd.get("format")) for sd in shard_state_dicts})
+    if formats != [STATE_DICT_FORMAT]:
+        raise ValueError(
+            f"consolidate_state_dict: the shards are in format {', '.join(formats)}; this version consolidates "
+            f"{STATE_DICT_FORMAT} (format 1 cut its pieces on other boundaries: consolidate those with the cpu_adam "
+            "version that saved them)"
         )
     world_size = zeros[0]["world_size"]
     ranks = sorted(z["rank"] for z in zeros)
@@ -64,6 +74,7 @@ def consolidate_state_dict(shard_state_dicts: list[dict[str, Any]]) -> dict[str,
         if "param_steps" in saved:  # params that skipped steps keep their own bias corrections
             group["param_steps"] = list(saved["param_steps"])
         for name in (n for n in _STATE_TENSORS if n in saved):  # a group that had not stepped has no moments
-            group[name] = shards_to_full([sd["state"][g][name] for sd in by_rank], layouts)
+            shards = [sd["state"][g][name] for sd in by_rank]
+            group[name] = shards_to_full(shards, layouts, per=BLOCK if name == SCALES else 1)
         full["state"][g] = group
     return full

@@ -37,11 +37,12 @@ from torch import Tensor
 
 from ._collectives import ShardComm
 from ._device import DeviceOps
-from ._flat import check_shard, full_to_shard
+from ._flat import ALIGN, LEGACY_ALIGN, FlatLayout, check_shard, from_legacy_layout, full_to_shard
 from ._grads import GradCollector
 from ._group import GroupBuffers
 from ._handover import check_sources, hand_over, target_device
 from ._offloaded_grad import OffloadedGrad
+from ._precision import MOMENTS, SCALES, converted_moments, resolved_precision, state_dtype
 from ._threads import check_threads
 from ._transfers import Transfers
 from .ops import (
@@ -52,6 +53,7 @@ from .ops import (
     checked_seed,
     group_counter_base,
 )
+from .quant8 import BLOCK
 
 __all__ = ["OffloadOptimizer"]
 
@@ -61,7 +63,9 @@ logger = logging.getLogger(__name__)
 # (measured on a 16-core host), and the last chunk's upload (64 MB) stays about a millisecond.
 KERNEL_CHUNK = 2**25
 DEFAULT_BUCKET_SIZE = 2**23  # elements: 16 MiB of bf16 grads per copy, far past PCIe's small-copy overheads
-STATE_DICT_FORMAT = "cpu_adam.OffloadOptimizer/1"
+# Format 2 lays params out on 256-element boundaries (an 8-bit scale block); format 1 used 64.
+STATE_DICT_FORMAT = "cpu_adam.OffloadOptimizer/2"
+LEGACY_FORMAT = "cpu_adam.OffloadOptimizer/1"
 OWNER = "cpu_adam.OffloadOptimizer"
 
 
@@ -134,8 +138,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
     its norm and scaling, so ``torch.nn.utils.clip_grad_norm_`` works, and raises on other uses):
     clip with it or with ``max_grad_norm``; ``last_grad_norm`` holds the last step's norm.
     ``close()`` detaches the optimizer from its params (hooks removed, host buffers released).
-    Host bytes per param: 14 (fp32 master and states), 10 (bf16 states), 8 (bf16 master and
-    states), see ``memory_stats()``.
+    ``state_precision`` keeps the moments as "fp32" (the default), "bf16" or "8bit" (uint8 codes
+    with a float32 scale per block of 256 elements, as CPUAdam's, ``cpu_adam.quant8``);
+    ``fp32_optimizer_states`` is DeepSpeed's shorthand for the first two. Host bytes per param,
+    the pinned bf16 buffer included: 14 (fp32 master and states), 10 (bf16 states), 8 (bf16
+    master and states), 8.03 (8-bit states), 6.03 (bf16 master and 8-bit states), see
+    ``memory_stats()``.
 
     With ``device`` the params may be on the CPU (any float dtype: their values become the master
     weights at full precision) or on the meta device (their weights must be written before the
@@ -158,7 +166,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         weight_decay: float = 0.0,
         *,
         adamw_mode: bool = True,
-        fp32_optimizer_states: bool = True,
+        fp32_optimizer_states: bool | None = None,
+        state_precision: str | None = None,
         master_weights_dtype: torch.dtype = torch.float32,
         max_grad_norm: float | None = None,
         process_group: Any | None = None,
@@ -169,6 +178,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         device: str | torch.device | None = None,
     ) -> None:
         check_hyper_parameters(OWNER, lr, betas, eps, weight_decay)
+        self.state_precision = resolved_precision(OWNER, state_precision, fp32_optimizer_states)
         seed = None if seed is None else checked_seed(OWNER, seed)
         if master_weights_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(
@@ -188,7 +198,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
         self.max_grad_norm = max_grad_norm
         self.master_weights_dtype = master_weights_dtype
-        self.state_dtype = torch.float32 if fp32_optimizer_states else torch.bfloat16
+        self.state_dtype = state_dtype(self.state_precision)
         self.stochastic_rounding = stochastic_rounding
         # Drawn only when used: building the optimizer must not shift the user's random stream.
         if seed is None:
@@ -218,7 +228,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             layout = [[tuple(p.shape) for p in ps] for ps in trainable]
             self._comm.check_same(
                 "the parameters and options",
-                (layout, bucket_size, str(master_weights_dtype), str(self.state_dtype), stochastic_rounding),
+                (layout, bucket_size, str(master_weights_dtype), self.state_precision, stochastic_rounding),
                 "build the optimizer on the same model, param groups and options on every rank",
             )
             if device is None:  # ranks initialised with other seeds would train a patchwork
@@ -442,7 +452,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
         # Chunk by chunk (whole buckets): each chunk's uploads overlap the next chunk's compute.
         for first, last in _chunks(group, KERNEL_CHUNK):
             for step, tensors in self._kernel_lists(g, group, first, last).items():
-                adam_step(*tensors[:4], bf16_outs=tensors[4], counter_offsets=tensors[5], step=step, **hyper)
+                adam_step(
+                    *tensors[:4],
+                    bf16_outs=tensors[4],
+                    counter_offsets=tensors[5],
+                    state_scales=tensors[6],
+                    step=step,
+                    **hyper,
+                )
             in_place = self._dev.host_addressable and self._comm is None  # the kernel wrote into the params
             for b in range(first, last):
                 self._transfers.up(group, b, group.got, in_place=in_place)
@@ -450,8 +467,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         group.steps = [n + got for n, got in zip(group.steps, group.got)]
 
     def _kernel_lists(self, g: int, group: GroupBuffers, first: int, last: int) -> dict[int, tuple[list, ...]]:
-        """The kernel's (masters, grads, exp_avgs, exp_avg_sqs, bf16_outs, counter offsets) of buckets
-        ``first..last-1``, by step count.
+        """The kernel's (masters, grads, exp_avgs, exp_avg_sqs, bf16_outs, counter offsets, state scales)
+        of buckets ``first..last-1``, by step count.
 
         Params that got no grad are left out. Consecutive params of a bucket (with the zero
         padding between them) share one tuple, except where the kernel writes straight into each
@@ -487,6 +504,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 [group.exp_avg_sq[h] for h, *_ in runs],
                 [group.weights(i)[part] if direct else group.grads.tensor[h] for h, part, i, _, _ in runs],
                 [group_counter_base(g) + group.counter_offsets[i] + part.start for _, part, i, _, _ in runs],
+                [group.scales_of(h) for h, *_ in runs] if group.state_scales is not None else [],
             )
         if reusable:
             group.kernel_lists[key] = next(iter(out.values()))
@@ -562,7 +580,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         groups = [g for g in self._groups if g is not None]
         params = sum(sum(g.layout.numels) for g in groups)
         master = sum(nbytes(g.master) for g in groups)
-        states = sum(nbytes(g.exp_avg) + nbytes(g.exp_avg_sq) for g in groups)
+        states = sum(nbytes(g.exp_avg) + nbytes(g.exp_avg_sq) + nbytes(g.state_scales) for g in groups)
         pinned = sum(g.grads.nbytes for g in groups)
         accumulator = sum(nbytes(g.accumulator) for g in groups)
         host = master + states + pinned + accumulator
@@ -608,6 +626,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             if any(group.steps):
                 self._sync_masters()
                 state[g].update(master=group.master, exp_avg=group.exp_avg, exp_avg_sq=group.exp_avg_sq)
+                if group.state_scales is not None:
+                    state[g][SCALES] = group.state_scales
         param_groups = []
         index = 0
         for options in self.param_groups:
@@ -644,10 +664,17 @@ class OffloadOptimizer(torch.optim.Optimizer):
             returned = pre_hook(self, state_dict)
             if returned is not None:
                 state_dict = returned
-        if state_dict.get("format") != STATE_DICT_FORMAT:
+        legacy = state_dict.get("format") == LEGACY_FORMAT
+        if state_dict.get("format") != STATE_DICT_FORMAT and not legacy:
             raise ValueError(
                 f"cpu_adam.OffloadOptimizer.load_state_dict: not a {STATE_DICT_FORMAT} state dict "
                 f"(format {state_dict.get('format')!r})"
+            )
+        if legacy and "zero" in state_dict:
+            raise ValueError(
+                "cpu_adam.OffloadOptimizer.load_state_dict: this ZeRO shard was saved in format 1, whose pieces were "
+                "cut on other boundaries; consolidate the shards with the cpu_adam version that saved them "
+                "(cpu_adam.distributed.consolidate_state_dict) and load the full state dict"
             )
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
@@ -669,8 +696,24 @@ class OffloadOptimizer(torch.optim.Optimizer):
         max_grad_norm = _checked_max_grad_norm(state_dict["max_grad_norm"])
         _check_loadable(state_dict)
         zero = state_dict.get("zero")
-        if zero is not None:
-            check_shard(zero, self.rank, self.world_size, self.bucket_size)
+        problem: ValueError | None = None
+        try:
+            if zero is not None:
+                check_shard(zero, self.rank, self.world_size, self.bucket_size)
+            loaded = [
+                None if group is None else self._loaded_tensors(g, group, state_dict["state"][g], zero is None, legacy)
+                for g, group in enumerate(self._groups)
+            ]
+        except ValueError as error:
+            problem = error
+        if self._comm is not None:  # a rank that cannot load must not leave the others waiting in a collective
+            self._comm.check_same(
+                "whether the state dict loads",
+                problem is None,
+                "the ranks where it does not load raised the reason: fix the state dict they were given",
+            )
+        if problem is not None:
+            raise problem
         if self._comm is not None:
             self._comm.check_same(
                 "the kind of state dict loaded",
@@ -685,14 +728,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     continue
                 saved = state_dict["state"][g]
                 group.steps = [int(x) for x in saved.get("param_steps", [saved["step"]] * len(group.params))]
-                for name in ("exp_avg", "exp_avg_sq"):
-                    getattr(group, name).zero_()  # a group that had not stepped saves none
-                if "master" not in saved:  # nor masters: they stay (the weights, or a handed-over model's values)
+                group.reset_moments()  # a group that had not stepped saves none
+                if not loaded[g]:  # nor masters: they stay (the weights, or a handed-over model's values)
                     continue
-                for name in ("master", "exp_avg", "exp_avg_sq"):
-                    if name in saved:
-                        tensor = saved[name] if zero is not None else full_to_shard(saved[name], group.layout)
-                        getattr(group, name).copy_(tensor)
+                for name, tensor in loaded[g].items():
+                    getattr(group, name).copy_(tensor)
                 group.master_synced = True
                 # The device weights from the masters, rounded to bf16 as the kernel rounds its outputs.
                 group.grads.tensor.copy_(group.master)
@@ -709,6 +749,39 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._grads.reset()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+    def _loaded_tensors(
+        self, g: int, group: GroupBuffers, saved: dict[str, Any], full: bool, legacy: bool
+    ) -> dict[str, Tensor]:
+        """This rank's masters and moments from a saved group, in this optimizer's precision.
+
+        Checked before anything is loaded: the caller copies them in only once every group passed.
+        """
+        if "master" not in saved:
+            return {}
+        tensors = {name: saved[name] for name in ("master", *MOMENTS, SCALES) if name in saved}
+        where = f"cpu_adam.OffloadOptimizer.load_state_dict: param group {g}"
+        if (SCALES in tensors) != (tensors["exp_avg"].dtype == torch.uint8):
+            raise ValueError(f"{where}: 8-bit (uint8) moments come with their state_scales, float moments without")
+        numel = group.layout.shard_numel
+        if full:
+            numel = FlatLayout(group.layout.shapes, 1 << 62, align=LEGACY_ALIGN if legacy else ALIGN).numel
+        for name, t in tensors.items():
+            expected = (2, numel // BLOCK) if name == SCALES else (numel,)
+            if tuple(t.shape) != expected:
+                raise ValueError(
+                    f"{where}: {name} has shape {tuple(t.shape)} where this optimizer's params need {expected} "
+                    f"({'a full state dict' if full else 'a shard of this layout'})"
+                )
+        if legacy:
+            tensors = {name: from_legacy_layout(t, group.layout.shapes) for name, t in tensors.items()}
+        moments = {name: t for name, t in tensors.items() if name != "master"}
+        tensors = {"master": tensors["master"], **converted_moments(moments, self.state_dtype, torch.device("cpu"))}
+        if full:
+            tensors = {
+                name: full_to_shard(t, group.layout, per=BLOCK if name == SCALES else 1) for name, t in tensors.items()
+            }
+        return tensors
 
     def __del__(self) -> None:
         # Only the optimizer itself: Lightning's wrapper copies this __dict__ and must not close it.

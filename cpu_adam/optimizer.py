@@ -12,10 +12,8 @@ import torch
 from torch import Tensor
 
 from . import ops, quant8
+from ._precision import MOMENTS, SCALES, converted_moments, resolved_precision, state_dtype
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
-SCALES = "state_scales"
-STATE_PRECISIONS = ("fp32", "bf16", "8bit")
 _OWN_KEYS = (
     "bias_correction",
     "fp32_optimizer_states",
@@ -104,7 +102,7 @@ class CPUAdam(torch.optim.Optimizer):
         if weight_decay is None:  # as the optimizer it stands in for: torch.optim.AdamW or torch.optim.Adam
             weight_decay = 1e-2 if adamw_mode else 0.0
         ops.check_hyper_parameters("CPUAdam", lr, betas, eps, weight_decay)
-        state_precision = _resolved_precision("CPUAdam", state_precision, fp32_optimizer_states)
+        state_precision = resolved_precision("CPUAdam", state_precision, fp32_optimizer_states)
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,)).item())
         defaults = {
@@ -136,7 +134,7 @@ class CPUAdam(torch.optim.Optimizer):
         if isinstance(param_group, dict):  # torch's add_param_group refuses anything else
             owner = f"CPUAdam param group {len(self.param_groups)}"
             if "state_precision" in param_group or "fp32_optimizer_states" in param_group:
-                precision = _resolved_precision(
+                precision = resolved_precision(
                     owner, param_group.get("state_precision"), param_group.get("fp32_optimizer_states")
                 )
                 param_group = {
@@ -213,7 +211,7 @@ class CPUAdam(torch.optim.Optimizer):
                 continue
             state = self.state[p]
             if not state:
-                dtype = _state_dtype(group)
+                dtype = state_dtype(group["state_precision"])
                 state["step"] = torch.tensor(0.0, dtype=torch.float32)
                 for key in MOMENTS:
                     state[key] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
@@ -270,11 +268,11 @@ class CPUAdam(torch.optim.Optimizer):
         for group, (fp32, precision) in zip(self.param_groups, keep_precisions):
             group["fp32_optimizer_states"] = fp32
             group["state_precision"] = precision
-        group_of = {id(p): g for g in self.param_groups for p in g["params"]}
+        dtype_of = {id(p): state_dtype(g["state_precision"]) for g in self.param_groups for p in g["params"]}
         for saved_id, p in zip(saved_ids, params):
             saved = moments.get(saved_id, {})
             if saved:
-                self.state[p].update(_converted_moments(saved, _state_dtype(group_of[id(p)]), p.device))
+                self.state[p].update(converted_moments(saved, dtype_of[id(p)], p.device))
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
@@ -312,32 +310,3 @@ def _load_hooks_paused(optimizer: torch.optim.Optimizer) -> Iterator[None]:
         yield
     finally:
         optimizer._optimizer_load_state_dict_pre_hooks, optimizer._optimizer_load_state_dict_post_hooks = hooks
-
-
-def _state_dtype(group: dict[str, Any]) -> torch.dtype:
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "8bit": torch.uint8}[group["state_precision"]]
-
-
-def _resolved_precision(owner: str, state_precision: str | None, fp32_optimizer_states: bool | None) -> str:
-    if state_precision is not None and state_precision not in STATE_PRECISIONS:
-        raise ValueError(f"{owner}: state_precision must be one of {STATE_PRECISIONS}, got {state_precision!r}")
-    implied = None if fp32_optimizer_states is None else ("fp32" if fp32_optimizer_states else "bf16")
-    if state_precision is not None and implied is not None and state_precision != implied:
-        raise ValueError(
-            f"{owner}: fp32_optimizer_states={fp32_optimizer_states} means state_precision={implied!r}, but "
-            f"state_precision={state_precision!r} was given; pass only state_precision"
-        )
-    return state_precision or implied or "fp32"
-
-
-def _converted_moments(saved: dict[str, Tensor], dtype: torch.dtype, device: torch.device) -> dict[str, Tensor]:
-    """The saved moments (float, or 8-bit codes with their scales) in ``dtype``, as new tensors."""
-    if SCALES in saved:
-        if dtype == torch.uint8:
-            return {k: v.to(device=device, copy=True) for k, v in saved.items()}
-        floats = quant8.dequantize_moments(saved["exp_avg"], saved["exp_avg_sq"], saved[SCALES])
-        return {k: v.to(device=device, dtype=dtype) for k, v in zip(MOMENTS, floats)}
-    if dtype == torch.uint8 and all(k in saved for k in MOMENTS):
-        codes = quant8.quantize_moments(saved["exp_avg"].cpu(), saved["exp_avg_sq"].cpu())
-        return {k: v.to(device=device) for k, v in zip((*MOMENTS, SCALES), codes)}
-    return {k: v.to(device=device, dtype=dtype, copy=True) for k, v in saved.items()}

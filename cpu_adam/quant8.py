@@ -99,31 +99,40 @@ def decode(codes: Tensor, scale: Tensor, *, root: bool) -> Tensor:
     return torch.where(c >= 0x80, -magnitude, magnitude).reshape(-1)
 
 
+# Conversions go this many elements at a time: the float64 reference costs tens of bytes per
+# element, which for a whole offloaded group would be many times its state.
+_CHUNK = BLOCK << 12
+
+
 def quantize_moments(exp_avg: Tensor, exp_avg_sq: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """(exp_avg codes, exp_avg_sq codes, scales): codes uint8 shaped like the moments, scales
     float32 [2, blocks]. The root of exp_avg_sq is taken in float32, as the kernel does."""
-    root = exp_avg_sq.detach().to(torch.float32).sqrt()
-    avg_codes, avg_scale = encode(exp_avg, root=False)
-    root_codes, root_scale = encode(root, root=True)
-    n = exp_avg.numel()
-    shape = exp_avg.shape
-    return (
-        avg_codes[:n].reshape(shape).clone(),
-        root_codes[:n].reshape(shape).clone(),
-        torch.stack([avg_scale, root_scale]),
-    )
+    avg, sq = exp_avg.detach().reshape(-1), exp_avg_sq.detach().reshape(-1)
+    n, shape = avg.numel(), exp_avg.shape
+    avg_codes, root_codes = torch.empty(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8)
+    scales = torch.empty(2, blocks(n), dtype=torch.float32)
+    for lo in range(0, n, _CHUNK):
+        hi = min(lo + _CHUNK, n)
+        codes, scale = encode(avg[lo:hi], root=False)
+        avg_codes[lo:hi], scales[0, lo // BLOCK : blocks(hi)] = codes[: hi - lo], scale
+        codes, scale = encode(sq[lo:hi].to(torch.float32).sqrt(), root=True)
+        root_codes[lo:hi], scales[1, lo // BLOCK : blocks(hi)] = codes[: hi - lo], scale
+    return avg_codes.reshape(shape), root_codes.reshape(shape), scales
 
 
 def dequantize_moments(avg_codes: Tensor, root_codes: Tensor, scales: Tensor) -> tuple[Tensor, Tensor]:
     """(exp_avg, exp_avg_sq) in float32 from 8-bit codes and their [2, blocks] scales; v = u * u
     in float32, as the kernel squares the root."""
-    n, shape = avg_codes.numel(), avg_codes.shape
-
-    def padded(codes: Tensor) -> Tensor:
-        out = torch.zeros(blocks(n) * BLOCK, dtype=torch.uint8)
-        out[:n] = codes.detach().reshape(-1).cpu()
-        return out
-
-    avg = decode(padded(avg_codes), scales[0].cpu(), root=False)[:n].to(torch.float32)
-    root = decode(padded(root_codes), scales[1].cpu(), root=True)[:n].to(torch.float32)
-    return avg.reshape(shape), (root * root).reshape(shape)
+    avg_in, root_in = avg_codes.detach().reshape(-1).cpu(), root_codes.detach().reshape(-1).cpu()
+    n, shape = avg_in.numel(), avg_codes.shape
+    scales = scales.cpu()
+    avg, sq = torch.empty(n, dtype=torch.float32), torch.empty(n, dtype=torch.float32)
+    for lo in range(0, n, _CHUNK):
+        hi = min(lo + _CHUNK, n)
+        block_scales = scales[:, lo // BLOCK : blocks(hi)]
+        padded = torch.zeros(2, block_scales.shape[1] * BLOCK, dtype=torch.uint8)
+        padded[0, : hi - lo], padded[1, : hi - lo] = avg_in[lo:hi], root_in[lo:hi]
+        avg[lo:hi] = decode(padded[0], block_scales[0], root=False)[: hi - lo]
+        root = decode(padded[1], block_scales[1], root=True)[: hi - lo].to(torch.float32)
+        sq[lo:hi] = root * root
+    return avg.reshape(shape), sq.reshape(shape)

@@ -23,8 +23,9 @@ from torch import nn
 
 from cpu_adam import OffloadOptimizer, offload
 from cpu_adam import _threads as thread_share
-from cpu_adam._flat import FlatLayout, canonical_offsets, full_to_shard, shards_to_full
+from cpu_adam._flat import ALIGN, FlatLayout, canonical_offsets, full_to_shard, shards_to_full
 from cpu_adam.distributed import consolidate_state_dict
+from cpu_adam.quant8 import BLOCK
 
 pytestmark = pytest.mark.dist
 
@@ -33,6 +34,7 @@ HYPER = dict(lr=1e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01, bucket_siz
 STEPS = 8
 BATCH = 8  # the global batch: each of the 2 ranks gets half
 SPAWN_TIMEOUT_S = 60.0
+PRECISIONS = {"fp32": {}, "8bit": {"state_precision": "8bit"}}  # checkpoints: float states, and 8-bit codes + scales
 
 
 def _train(model: nn.Module, opt: OffloadOptimizer, data: list[torch.Tensor]) -> list[float]:
@@ -112,17 +114,23 @@ def _parity_rank(rank: int, world_size: int, out: Path) -> None:
 
 
 def _resume_rank(rank: int, world_size: int, out: Path) -> None:
+    for tag, options in PRECISIONS.items():
+        _resume_one(rank, world_size, out / tag, options)
+
+
+def _resume_one(rank: int, world_size: int, out: Path, options: dict[str, Any]) -> None:
     # Every rank trains on the same batches, so 2 ranks do the math of 1 process bit for bit.
+    out.mkdir(exist_ok=True)
     data = batches(STEPS, batch=BATCH // 2)
     half = STEPS // 2
 
     model = make_model(0)
-    opt = _zero_opt(model)
+    opt = _zero_opt(model, **options)
     _train(model, opt, data)
     torch.save(_snapshot(model, opt), out / f"straight{rank}.pt")
 
     model = make_model(0)
-    opt = _zero_opt(model)
+    opt = _zero_opt(model, **options)
     _train(model, opt, data[:half])
     torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, out / f"half{rank}.pt")
     dist.barrier()
@@ -130,14 +138,14 @@ def _resume_rank(rank: int, world_size: int, out: Path) -> None:
     own = torch.load(out / f"half{rank}.pt")
     model = make_model(seed=123)  # everything must come from the checkpoint
     model.load_state_dict(own["model"])
-    opt = OffloadOptimizer(model.parameters(), lr=0.5, bucket_size=BUCKET, process_group=dist.group.WORLD)
+    opt = OffloadOptimizer(model.parameters(), lr=0.5, bucket_size=BUCKET, process_group=dist.group.WORLD, **options)
     opt.load_state_dict(own["opt"])
     _train(model, opt, data[half:])
     torch.save(_snapshot(model, opt), out / f"own{rank}.pt")
 
     full = consolidate_state_dict([torch.load(out / f"half{r}.pt")["opt"] for r in range(world_size)])
     model = make_model(seed=123)
-    opt = OffloadOptimizer(model.parameters(), lr=0.5, bucket_size=BUCKET, process_group=dist.group.WORLD)
+    opt = OffloadOptimizer(model.parameters(), lr=0.5, bucket_size=BUCKET, process_group=dist.group.WORLD, **options)
     opt.load_state_dict(full)  # the optimizer alone sets the device weights
     _train(model, opt, data[half:])
     torch.save(_snapshot(model, opt), out / f"full{rank}.pt")
@@ -245,6 +253,7 @@ def one_rank_group(tmp_path: Path):
 
 
 def _load(out: Path, name: str) -> list[dict[str, Any]]:
+    """What both ranks saved as ``name`` (a path relative to ``out``)."""
     return [torch.load(out / f"{name}{r}.pt") for r in range(2)]
 
 
@@ -271,8 +280,10 @@ def _single(data: list[torch.Tensor], threads: int, **options: Any) -> tuple[nn.
 def _assert_same_state(a: dict[str, Any], b: dict[str, Any]) -> None:
     for g, group in a["state"].items():
         assert group["step"] == b["state"][g]["step"]
-        for name in ("master", "exp_avg", "exp_avg_sq"):
-            assert torch.equal(group[name], b["state"][g][name]), f"group {g}: {name} differs"
+        assert group.keys() == b["state"][g].keys()
+        for name in ("master", "exp_avg", "exp_avg_sq", "state_scales"):
+            if name in group:
+                assert torch.equal(group[name], b["state"][g][name]), f"group {g}: {name} differs"
 
 
 # -- two ranks against one process ------------------------------------------------------------
@@ -362,29 +373,32 @@ def test_host_bytes_per_rank_are_halved(parity_run: Path):
     single = OffloadOptimizer(make_model(0).parameters(), **HYPER).memory_stats()
     for rank in _load(parity_run, "global"):
         stats = rank["memory"]
-        buckets = 7  # the tiny model's bucket count at BUCKET: each may gain up to 64 padding elements
-        assert single["host_bytes"] / 2 <= stats["host_bytes"] <= single["host_bytes"] / 2 + buckets * 64 * 14
+        buckets = 7  # the tiny model's bucket count at BUCKET: each may gain up to ALIGN padding elements
+        assert single["host_bytes"] / 2 <= stats["host_bytes"] <= single["host_bytes"] / 2 + buckets * ALIGN * 14
 
 
 # -- checkpoints ------------------------------------------------------------------------------
 
 
-def test_resume_on_two_ranks_is_bit_exact(resume_run: Path):
-    straight = consolidate_state_dict([r["state"] for r in _load(resume_run, "straight")])
+@pytest.mark.parametrize("tag", PRECISIONS)
+def test_resume_on_two_ranks_is_bit_exact(resume_run: Path, tag: str):
+    straight = consolidate_state_dict([r["state"] for r in _load(resume_run, f"{tag}/straight")])
     for name in ("own", "full"):  # each rank's own shard; the consolidated full dict, resharded
-        ranks = _load(resume_run, name)
+        ranks = _load(resume_run, f"{tag}/{name}")
         _assert_same_state(consolidate_state_dict([r["state"] for r in ranks]), straight)
-        for rank, reference in zip(ranks, _load(resume_run, "straight")):
+        for rank, reference in zip(ranks, _load(resume_run, f"{tag}/straight")):
             assert all(torch.equal(a, b) for a, b in zip(rank["weights"], reference["weights"]))
 
 
-def test_two_rank_checkpoint_resumes_on_one_process(resume_run: Path):
+@pytest.mark.parametrize("tag", PRECISIONS)
+def test_two_rank_checkpoint_resumes_on_one_process(resume_run: Path, tag: str):
     data = batches(STEPS, batch=BATCH // 2)
-    full = consolidate_state_dict([torch.load(resume_run / f"half{r}.pt")["opt"] for r in range(2)])
+    full = consolidate_state_dict([torch.load(resume_run / tag / f"half{r}.pt")["opt"] for r in range(2)])
     model = make_model(seed=123)
-    opt = OffloadOptimizer(model.parameters(), lr=0.5, bucket_size=4096)  # another bucket size: full dicts allow it
+    # Another bucket size: full dicts allow it.
+    opt = OffloadOptimizer(model.parameters(), lr=0.5, bucket_size=4096, **PRECISIONS[tag])
     opt.load_state_dict(full)
-    straight = _load(resume_run, "straight")
+    straight = _load(resume_run, f"{tag}/straight")
     with _threads(straight[0]["threads"]):
         _train(model, opt, data[STEPS // 2 :])
     _assert_same_state(opt.state_dict(), consolidate_state_dict([r["state"] for r in straight]))
@@ -443,11 +457,21 @@ def test_layout_and_resharding_round_trip(world_size: int):
     layouts = [FlatLayout(shapes, BUCKET, world_size=world_size, rank=r) for r in range(world_size)]
     for layout in layouts:
         assert [(b.first, b.last) for b in layout.buckets] == [(b.first, b.last) for b in one.buckets]
-        assert all(p.numel * world_size == b.numel and p.numel % 64 == 0 for p, b in zip(layout.pieces, layout.buckets))
+        assert all(
+            p.numel * world_size == b.numel and p.numel % ALIGN == 0 for p, b in zip(layout.pieces, layout.buckets)
+        )
     shards = [full_to_shard(full, layout) for layout in layouts]
-    assert sum(s.numel() for s in shards) == layouts[0].numel < one.numel + len(one.buckets) * 64 * world_size
+    assert sum(s.numel() for s in shards) == layouts[0].numel < one.numel + len(one.buckets) * ALIGN * world_size
     assert torch.equal(shards_to_full(shards, layouts), full)
     assert sorted(torch.cat(shards)[torch.cat(shards) > 0].tolist()) == full[full > 0].tolist()
+    # Block tensors (8-bit states' scales, [2, blocks]) follow their elements: a block's entry goes
+    # to the rank holding the block's elements.
+    block_values = full.view(-1, BLOCK)[:, :1].T.repeat(2, 1) * torch.tensor([[1.0], [-1.0]])
+    block_shards = [full_to_shard(block_values, layout, per=BLOCK) for layout in layouts]
+    for shard, block_shard in zip(shards, block_shards):
+        firsts = shard.view(-1, BLOCK)[:, 0]
+        assert torch.equal(block_shard, torch.stack([firsts, -firsts]))
+    assert torch.equal(shards_to_full(block_shards, layouts, per=BLOCK), block_values)
 
 
 def test_one_rank_group_is_the_plain_optimizer_bit_for_bit(one_rank_group):

@@ -1,0 +1,47 @@
+"""How Adam's moments are kept (``state_precision``), shared by CPUAdam and the offload optimizer:
+the names, their dtypes, and conversions of saved moments between them."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import quant8
+
+__all__ = ["MOMENTS", "SCALES", "STATE_PRECISIONS", "converted_moments", "resolved_precision", "state_dtype"]
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+SCALES = "state_scales"  # 8-bit moments: float32 [2, blocks], each moment's scale per block
+STATE_PRECISIONS = ("fp32", "bf16", "8bit")
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "8bit": torch.uint8}
+
+
+def state_dtype(precision: str) -> torch.dtype:
+    """The dtype the moments are stored in (uint8: 8-bit codes with block scales)."""
+    return _DTYPES[precision]
+
+
+def resolved_precision(owner: str, state_precision: str | None, fp32_optimizer_states: bool | None) -> str:
+    """``state_precision``, or what DeepSpeed's ``fp32_optimizer_states`` shorthand means; they must agree."""
+    if state_precision is not None and state_precision not in STATE_PRECISIONS:
+        raise ValueError(f"{owner}: state_precision must be one of {STATE_PRECISIONS}, got {state_precision!r}")
+    implied = None if fp32_optimizer_states is None else ("fp32" if fp32_optimizer_states else "bf16")
+    if state_precision is not None and implied is not None and state_precision != implied:
+        raise ValueError(
+            f"{owner}: fp32_optimizer_states={fp32_optimizer_states} means state_precision={implied!r}, but "
+            f"state_precision={state_precision!r} was given; pass only state_precision"
+        )
+    return state_precision or implied or "fp32"
+
+
+def converted_moments(saved: dict[str, Tensor], dtype: torch.dtype, device: torch.device) -> dict[str, Tensor]:
+    """The saved moments (float, or 8-bit codes with their scales) in ``dtype``, as new tensors."""
+    if SCALES in saved:
+        if dtype == torch.uint8:
+            return {k: v.to(device=device, copy=True) for k, v in saved.items()}
+        floats = quant8.dequantize_moments(saved["exp_avg"], saved["exp_avg_sq"], saved[SCALES])
+        return {k: v.to(device=device, dtype=dtype) for k, v in zip(MOMENTS, floats)}
+    if dtype == torch.uint8 and all(k in saved for k in MOMENTS):
+        codes = quant8.quantize_moments(saved["exp_avg"].cpu(), saved["exp_avg_sq"].cpu())
+        return {k: v.to(device=device) for k, v in zip((*MOMENTS, SCALES), codes)}
+    return {k: v.to(device=device, dtype=dtype, copy=True) for k, v in saved.items()}
