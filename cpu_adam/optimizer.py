@@ -144,6 +144,15 @@ class CPUAdam(torch.optim.Optimizer):
                 }
             _check_group(f"CPUAdam param group {len(self.param_groups)}", {**self.defaults, **param_group})
         super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        if group["state_precision"] == "8bit" and any(_local(p) is not p for p in group["params"]):
+            self.param_groups.pop()
+            raise ValueError(
+                f"CPUAdam param group {len(self.param_groups)}: 8-bit states of DTensor params (FSDP2) are not "
+                "supported: their block scales follow each rank's local shard, which distributed checkpoints "
+                "cannot reshard. Use state_precision='bf16' or 'fp32' with FSDP2, or cpu_adam.OffloadOptimizer "
+                "with a process_group for 8-bit states with data parallelism"
+            )
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
