@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         lr=3e-4,
         betas=(0.9, 0.95),
         max_grad_norm=1.0,
-        fp32_optimizer_states=not args.bf16_states,
+        state_precision=args.states,
         master_weights_dtype=torch.bfloat16 if args.bf16_master else torch.float32,
         stochastic_rounding=args.bf16_master,
         process_group=dist.group.WORLD if dist.is_initialized() else None,
@@ -87,18 +87,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             torch.zeros(g.layout.shard_numel, dtype=opt.state_dtype),
             torch.zeros(g.layout.shard_numel, dtype=opt.state_dtype),
             torch.zeros(g.layout.shard_numel, dtype=torch.bfloat16),
+            g.state_scales.clone() if g.state_scales is not None else None,
         )
         for g in groups
     ]
     real_grads = device.type == "cpu"
 
     def bare_step(step: int, scale: float) -> None:
-        p, g, m, v, o = (list(t) for t in zip(*bare))
+        p, g, m, v, o, scales = (list(t) for t in zip(*bare))
         adam_step(
             p,
             g,
             m,
             v,
+            state_scales=scales if opt.state_precision == "8bit" else None,
             step=step,
             lr=3e-4,
             beta1=0.9,
@@ -222,7 +224,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=15)
-    parser.add_argument("--bf16-states", action="store_true", help="bf16 Adam states")
+    parser.add_argument("--states", choices=("fp32", "bf16", "8bit"), default="fp32", help="Adam states' precision")
     parser.add_argument("--bf16-master", action="store_true", help="bf16 master weights (stochastic rounding)")
     parser.add_argument("--max-overhead", type=float, default=0.15, help="on the CPU: fail above this step overhead")
     parser.add_argument("--json", metavar="PATH", help="also write the results here")
