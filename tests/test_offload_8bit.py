@@ -38,27 +38,34 @@ def _per_param(saved: dict[str, Any], name: str, shapes: list[torch.Size]) -> li
     return out
 
 
-def test_the_step_is_cpu_adams_8bit_step_bit_for_bit():
+CUDA = pytest.param(
+    "cuda",
+    marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")],
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_the_step_is_cpu_adams_8bit_step_bit_for_bit(device: str):
     # The offload step over fp32 masters and bf16 grads is CPUAdam's 8-bit step over fp32 params
     # given the same grads (bf16 values held in fp32): same masters, codes and scales, every step.
-    model = make_model(0)
+    model = make_model(0, device=device)
     params = list(model.parameters())
     tap = GradTap(params)
     opt = OffloadOptimizer(params, **HYPER, bucket_size=BUCKET, **EIGHT_BIT)
-    masters = [p.detach().float().clone() for p in params]
+    masters = [p.detach().float().cpu() for p in params]
     twin = CPUAdam(masters, **HYPER, state_precision="8bit")
-    for tokens in batches(5):
+    for tokens in batches(5, device=device):
         lm_loss(model, tokens).backward()
         grads = tap.take()
         for p, master in zip(params, masters):
-            master.grad = grads[id(p)]
+            master.grad = grads[id(p)].cpu()
         twin.step()
         opt.step()
     full = opt.state_dict()["state"][0]
     shapes = [p.shape for p in params]
     for p, mine, ref in zip(params, opt.master_weights(), masters):
         assert torch.equal(mine, ref)
-        assert torch.equal(p.detach(), ref.to(torch.bfloat16))
+        assert torch.equal(p.detach().cpu(), ref.to(torch.bfloat16))
     for name in ("exp_avg", "exp_avg_sq", "state_scales"):
         for mine, ref in zip(_per_param(full, name, shapes), masters):
             assert torch.equal(mine, twin.state[ref][name]), name
