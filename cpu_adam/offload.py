@@ -536,8 +536,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 continue
             for b in range(len(group.layout.buckets)):
                 for i, part, host in group.piece_segments(b):
-                    if written is None or i in written:
+                    if written is None:
                         group.master[host].copy_(group.weights(i)[part])
+                    elif i in written:
+                        weights = group.weights(i)[part].to("cpu")
+                        # The weights written back as they were (model.load_state_dict(model.state_dict())):
+                        # the master keeps the bits below bf16's.
+                        if not torch.equal(weights, group.master[host].to(torch.bfloat16)):
+                            group.master[host].copy_(weights)
             group.master_synced = True
             group.note_versions()
 

@@ -294,6 +294,22 @@ def test_weights_loaded_after_construction_are_trained():
     assert_matches_oracle(opt, params, oracle)
 
 
+def test_weights_written_back_unchanged_keep_their_fp32_masters():
+    # model.load_state_dict(model.state_dict()) writes every param (their version counters move)
+    # with the values they hold: the masters must keep the bits below bf16's.
+    def run(write_back: bool) -> list[torch.Tensor]:
+        model, _, _, opt, _ = build()
+        for i, tokens in enumerate(batches(4)):
+            if write_back and i == 2:
+                model.load_state_dict(model.state_dict())
+            lm_loss(model, tokens).backward()
+            opt.step()
+        return [m.clone() for m in opt.master_weights()]
+
+    for a, b in zip(run(False), run(True)):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize(
     ("options", "per_param"),
     [
