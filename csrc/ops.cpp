@@ -58,6 +58,9 @@ std::string text(double value) {
 DType dtype_of(const Tensor& t, const char* role, size_t i) {
   if (t.scalar_type() == at::kFloat) return DType::f32;
   if (t.scalar_type() == at::kBFloat16) return DType::bf16;
+  TORCH_CHECK(!at::isComplexType(t.scalar_type()), "cpu_adam: ", role, "[", text(i), "] has dtype ", t.scalar_type(),
+              "; complex tensors are not supported: step complex params with torch.optim.AdamW, which updates "
+              "their real and imaginary parts as real numbers");
   TORCH_CHECK(false, "cpu_adam: ", role, "[", text(i), "] has dtype ", t.scalar_type(),
               "; only float32 and bfloat16 are supported: convert it with .float() or .bfloat16()");
 }

@@ -306,6 +306,7 @@ def small(dtype=torch.float32, n=8):
     [
         (lambda: [small(), small(torch.float16), small(), small()], "float32 and bfloat16"),
         (lambda: [small(torch.float64), small(), small(), small()], "float32 and bfloat16"),
+        (lambda: [small(torch.complex64), small(), small(), small()], "complex tensors .* torch.optim.AdamW"),
         (lambda: [small(), small(n=9), small(), small()], "elements"),
         (lambda: [small(), small(), small(), small(torch.bfloat16)], "one dtype"),
         (lambda: [torch.zeros(8, device="meta"), small(), small(), small()], "CPU"),
