@@ -7,6 +7,7 @@ What a training script does with it: ``prepare``, ``accumulate``, ``backward``,
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,10 @@ def _cpu_adam(model: torch.nn.Module, **options) -> CPUAdam:
 
 
 KINDS = {"offload": (_offload, torch.bfloat16), "cpu_adam": (_cpu_adam, torch.float32)}
+EIGHT_BIT = {  # only resuming is asked of them here: the rest of the path is the float states'
+    "offload-8bit": (partial(_offload, state_precision="8bit"), torch.bfloat16),
+    "cpu_adam-8bit": (partial(_cpu_adam, state_precision="8bit"), torch.float32),
+}
 
 
 def _fresh_accelerator() -> Accelerator:
@@ -111,9 +116,9 @@ def _opt_state(opt) -> list[torch.Tensor]:
     return [v for s in state.values() for k, v in sorted(s.items()) if torch.is_tensor(v)]
 
 
-@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize("kind", sorted(KINDS | EIGHT_BIT))
 def test_save_state_and_load_state_resume_exactly(kind: str, tmp_path: Path):
-    build, dtype = KINDS[kind]
+    build, dtype = (KINDS | EIGHT_BIT)[kind]
     data = token_batches(4 * ACCUMULATION)
     half = len(data) // 2
 

@@ -124,7 +124,15 @@ def _cpu_adam_kind(model):
     return CPUAdam(model.parameters(), **HYPER)
 
 
-KINDS = {"offload": (_offload_kind, torch.bfloat16), "cpu_adam": (_cpu_adam_kind, torch.float32)}
+def _offload_8bit_kind(model):
+    return OffloadOptimizer(model.parameters(), **HYPER, bucket_size=4096, state_precision="8bit")
+
+
+KINDS = {
+    "offload": (_offload_kind, torch.bfloat16),
+    "offload-8bit": (_offload_8bit_kind, torch.bfloat16),
+    "cpu_adam": (_cpu_adam_kind, torch.float32),
+}
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
@@ -141,7 +149,7 @@ def test_resume_from_checkpoint_is_exact_and_weights_load_back(kind: str, tmp_pa
     assert all(torch.equal(a, b) for a, b in zip(straight.parameters(), resumed.parameters()))
     mine, ref = straight_opt.state_dict()["state"], resumed_opt.state_dict()["state"]
     for key in mine:
-        for name in ("master", "exp_avg", "exp_avg_sq"):
+        for name in ("master", "exp_avg", "exp_avg_sq", "state_scales"):
             if name in mine[key] or name in ref[key]:
                 assert torch.equal(mine[key][name], ref[key][name]), name
 
