@@ -36,6 +36,7 @@ __all__ = [
     "canonical_offsets",
     "check_shard",
     "from_legacy_layout",
+    "full_numel",
     "full_to_shard",
     "shards_to_full",
 ]
@@ -156,6 +157,11 @@ _RESHARD_FIX = (
 def _canonical(shapes: list[torch.Size], align: int = ALIGN) -> FlatLayout:
     # Offsets of the one-process layout do not depend on the bucket size: one bucket will do.
     return FlatLayout(shapes, 1 << 62, align=align)
+
+
+def full_numel(shapes: list[torch.Size], *, legacy: bool = False) -> int:
+    """Elements of a full state tensor: the one-process layout's (format 1's with ``legacy``)."""
+    return _canonical(shapes, LEGACY_ALIGN if legacy else ALIGN).numel
 
 
 def canonical_offsets(shapes: list[torch.Size]) -> list[int]:

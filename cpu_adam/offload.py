@@ -37,7 +37,7 @@ from torch import Tensor
 
 from ._collectives import ShardComm
 from ._device import DeviceOps
-from ._flat import ALIGN, LEGACY_ALIGN, FlatLayout, check_shard, from_legacy_layout, full_to_shard
+from ._flat import check_shard, from_legacy_layout, full_numel, full_to_shard
 from ._grads import GradCollector
 from ._group import GroupBuffers
 from ._handover import check_sources, hand_over, target_device
@@ -771,7 +771,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{where}: 8-bit (uint8) moments come with their state_scales, float moments without")
         numel = group.layout.shard_numel
         if full:
-            numel = FlatLayout(group.layout.shapes, 1 << 62, align=LEGACY_ALIGN if legacy else ALIGN).numel
+            numel = full_numel(group.layout.shapes, legacy=legacy)
         for name, t in tensors.items():
             expected = (2, numel // BLOCK) if name == SCALES else (numel,)
             if tuple(t.shape) != expected:
