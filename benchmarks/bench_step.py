@@ -307,7 +307,7 @@ def step_rows(label: str, group: list[tuple[Contender, str]], n: int, threads: i
             "bytes_per_param": round(c.bytes_moved / size, 2),
             "iqr_rel": spread(c),
             # Per param: an 8-bit peer's slice is smaller than the probe's buffers.
-            "pct_of_probe": 100.0 if c is best[family] else 100 * n / size / ratio(c, best[family]),
+            "pct_of_probe": 100.0 if c is best[family] else 100 * size / n / ratio(c, best[family]),
             "speedup": {},
             "times_ms": [t * 1e3 for t in c.times],
         }
