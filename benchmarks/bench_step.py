@@ -65,9 +65,9 @@ TORCH_FOREACH, TORCH_FUSED, DEEPSPEED = "torch AdamW foreach", "torch AdamW fuse
 BNB8, TORCHAO8 = "bitsandbytes AdamW8bit", "torchao AdamW8bit"
 PEERS = (TORCH_FOREACH, TORCH_FUSED, DEEPSPEED)
 PEERS8 = (BNB8, TORCHAO8)  # 8-bit states only
-# The 8-bit peers take about 0.1-0.5 us per param on the CPU (a minute per step at 2^26 for
-# bitsandbytes' bf16): they run on a slice of at most this many params, in the same rounds, and
-# are compared per param. Smaller slices only favour them (less of their temporaries leave cache).
+# The 8-bit peers take 60-500 ns per param on the CPU (4-30 s per step at 2^26): they run on a
+# slice of at most this many params, in the same rounds, and are compared per param. Smaller
+# slices only favour them (less of their temporaries leave cache).
 PEER8_MAX_PARAMS = 1 << 22
 
 
