@@ -1,4 +1,5 @@
-"""Adam step time: cpu_adam against its bandwidth probe, torch.optim.AdamW and DeepSpeedCPUAdam.
+"""Adam step time: cpu_adam against its bandwidth probe, torch.optim.AdamW and DeepSpeedCPUAdam
+(8-bit states: bitsandbytes' and torchao's AdamW8bit).
 
     python benchmarks/bench_step.py                      # 2^26 params, all threads, about a minute
     python benchmarks/bench_step.py --size 2^20 --threads sweep --json out.json --plot out.png
@@ -10,12 +11,15 @@ freed in turn so the peak stays near one config's buffers times its contenders):
 - offload: the offload optimizer's step (grad clip scale + Adam + bf16 weights for the
   upload) as cpu_adam's one pass against the three passes DeepSpeed makes of it.
 Every figure is a median over rounds; "% of probe" and speedups are medians of same-round ratios.
+The probe runs in every variant (software prefetch or not, plain or streaming stores), interleaved
+with the rest; "% of probe" is against the variant with the lowest median in that config and run.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import itertools
 import json
 import sys
@@ -46,6 +50,7 @@ from _common import (
 )
 
 from cpu_adam import ops
+from cpu_adam.ops import PROBE_VARIANTS
 
 F32, BF16, Q8 = torch.float32, torch.bfloat16, torch.uint8  # Q8: 8-bit states (codes + block scales)
 SHORT = {F32: "fp32", BF16: "bf16", Q8: "8bit"}
@@ -57,7 +62,13 @@ CLIP_SCALES = (0.5, 2.0)
 
 PROBE, CPU_ADAM = "probe", "cpu_adam"
 TORCH_FOREACH, TORCH_FUSED, DEEPSPEED = "torch AdamW foreach", "torch AdamW fused", "DeepSpeedCPUAdam"
+BNB8, TORCHAO8 = "bitsandbytes AdamW8bit", "torchao AdamW8bit"
 PEERS = (TORCH_FOREACH, TORCH_FUSED, DEEPSPEED)
+PEERS8 = (BNB8, TORCHAO8)  # 8-bit states only
+# The 8-bit peers take 60-500 ns per param on the CPU (4-30 s per step at 2^26): they run on a
+# slice of at most this many params, in the same rounds, and are compared per param. Smaller
+# slices only favour them (less of their temporaries leave cache).
+PEER8_MAX_PARAMS = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -115,11 +126,28 @@ class Buffers:
         return [self.param], [self.grad], [self.exp_avg], [self.exp_avg_sq]
 
 
-def probe_step(b: Buffers, out: bool) -> Step:
-    # The probe's values grow without bound (param += grad every call, and with the output
-    # aliasing the grad, doubling): SIMD adds and conversions run at the same speed on inf.
+def probe_step(b: Buffers, out: bool, variant: str) -> Step:
+    # Raw bytes plus one, no float math: the values it leaves do not change its speed.
     outs = [b.out] if out else None
-    return lambda: ops.bandwidth_probe(*b.lists(), bf16_outs=outs, state_scales=b.scales)
+    return lambda: ops.bandwidth_probe(*b.lists(), bf16_outs=outs, state_scales=b.scales, variant=variant)
+
+
+def probe_contenders(b: Buffers, out: bool, family: str, bytes_moved: int) -> list[tuple[Contender, str]]:
+    """One contender per probe variant, named "<family> [<variant>]"; the best stands for the family."""
+    return [(Contender(f"{family} [{v}]", probe_step(b, out, v), bytes_moved), family) for v in PROBE_VARIANTS]
+
+
+def best_probes(group: list[tuple[Contender, str]]) -> dict[str, Contender]:
+    """The fastest variant (lowest median) of each probe family in the group."""
+    best: dict[str, Contender] = {}
+    for c, family in group:
+        if c.name.startswith(family + " [") and (family not in best or c.median_s < best[family].median_s):
+            best[family] = c
+    return best
+
+
+def is_probe(c: Contender, family: str) -> bool:
+    return c.name.startswith(family + " [")
 
 
 def cpu_adam_step(b: Buffers, out: bool, stochastic_rounding: bool = False, clip: bool = False) -> Step:
@@ -154,6 +182,18 @@ def peer_optimizer(name: str, param: Tensor, grad: Tensor, state: torch.dtype) -
         return None
     p = torch.nn.Parameter(param, requires_grad=True)
     p.grad = grad
+    if name in PEERS8:
+        if state != Q8:
+            return None
+        if name == BNB8:
+            import bitsandbytes
+
+            return bitsandbytes.optim.AdamW8bit([p], **HYPER)
+        from torchao.optim import AdamW8bit
+
+        return AdamW8bit([p], **HYPER)
+    if state == Q8:
+        return None
     if name in (TORCH_FOREACH, TORCH_FUSED):
         if state != param.dtype:
             return None
@@ -177,28 +217,47 @@ def clip_adam_cast_step(b: Buffers, adam: Callable[[], None]) -> Step:
     return step
 
 
-def step_group(cfg: Config, n: int, peers_on: dict[str, bool]) -> list[tuple[Contender, str]]:
+def step_group(
+    cfg: Config, n: int, peers_on: dict[str, bool], peers_status: dict[str, str]
+) -> list[tuple[Contender, str]]:
     """Contenders for one dtype config, each paired with the name of its probe."""
     source = torch.randn(n)
     probe_bufs, ours = Buffers.make(source, cfg, out=True), Buffers.make(source, cfg, out=True)
     out_tag = " + out=grad" if cfg.grad == BF16 else " + out"
     plain, with_out = round(cfg.bytes_per_param(False) * n), round(cfg.bytes_per_param(True) * n)
-    group = [
-        (Contender(PROBE, probe_step(probe_bufs, False), plain), PROBE),
-        (Contender(PROBE + out_tag, probe_step(probe_bufs, True), with_out), PROBE + out_tag),
+    group = probe_contenders(probe_bufs, False, PROBE, plain)
+    group += probe_contenders(probe_bufs, True, PROBE + out_tag, with_out)
+    group += [
         (Contender(CPU_ADAM, cpu_adam_step(ours, False), plain), PROBE),
         (Contender(CPU_ADAM + out_tag, cpu_adam_step(ours, True), with_out), PROBE + out_tag),
     ]
     if cfg.param == BF16:
         group.append((Contender(CPU_ADAM + " stochastic", cpu_adam_step(ours, False, True), plain), PROBE))
-    for name in PEERS:
+    for name in PEERS + PEERS8:
         if not peers_on[name]:
             continue
-        b = Buffers.make(source, cfg, out=False)
+        size = min(n, PEER8_MAX_PARAMS) if name in PEERS8 else n
+        b = Buffers.make(source[:size], cfg, out=False)
         opt = peer_optimizer(name, b.param, b.grad, cfg.state)
-        if opt is not None:
-            group.append((Contender(name, opt.step, plain), PROBE))
+        if opt is None:
+            continue
+        if name in PEERS8:
+            # A first step outside the rounds: torchao compiles its step there (about 20 s).
+            print(f"{cfg.label}: first step of {name} on {size_label(size)} params ...", file=sys.stderr, flush=True)
+            try:
+                opt.step()
+            except Exception as exc:  # whatever a peer raises on CPU tensors, its row says why
+                peers_on[name] = False
+                peers_status[name] = f"failed ({type(exc).__name__})"
+                print(f"{name}: {type(exc).__name__}: {exc}"[:300], file=sys.stderr)
+                continue
+        group.append((Contender(name, opt.step, round(cfg.bytes_per_param(False) * size)), PROBE))
+        PEER_PARAMS[name] = size
     return group
+
+
+# Params each peer steps (the 8-bit peers: a slice of the config's).
+PEER_PARAMS: dict[str, int] = {}
 
 
 def offload_group(master: torch.dtype, state: torch.dtype, n: int, peers_on: dict[str, bool]):
@@ -206,8 +265,8 @@ def offload_group(master: torch.dtype, state: torch.dtype, n: int, peers_on: dic
     one_pass_cfg = Config(master, BF16, state)
     seq_cfg = Config(master, master, state)  # the peers want grads in the param dtype
     bytes_moved = one_pass_cfg.bytes_per_param(True) * n
-    group = [
-        (Contender(PROBE, probe_step(Buffers.make(source, one_pass_cfg, True), True), bytes_moved), PROBE),
+    group = probe_contenders(Buffers.make(source, one_pass_cfg, True), True, PROBE, round(bytes_moved))
+    group += [
         (Contender("cpu_adam 1 pass", cpu_adam_step(Buffers.make(source, one_pass_cfg, True), True, clip=True), 0), ""),
     ]
     ours = Buffers.make(source, seq_cfg, out=False)
@@ -229,34 +288,48 @@ def fmt(x: float, digits: int = 2) -> str:
 
 
 def step_rows(label: str, group: list[tuple[Contender, str]], n: int, threads: int) -> list[dict]:
+    best = best_probes(group)
     by_name = {c.name: c for c, _ in group}
     rows = []
-    for c, probe in group:
+    for c, family in group:
+        if is_probe(c, family) and c is not best[family]:
+            continue
+        size = PEER_PARAMS.get(c.name, n)
         row = {
             "section": "step",
             "threads": threads,
             "config": label,
             "implementation": c.name,
+            "params": size,
             "ms_per_step": c.median_s * 1e3,
-            "ns_per_param": c.median_s * 1e9 / n,
+            "ns_per_param": c.median_s * 1e9 / size,
             "gb_per_s": c.bytes_moved / c.median_s / 1e9,
-            "bytes_per_param": round(c.bytes_moved / n, 2),
+            "bytes_per_param": round(c.bytes_moved / size, 2),
             "iqr_rel": spread(c),
-            "pct_of_probe": 100 / ratio(c, by_name[probe]) if c.name != probe else 100.0,
+            # Per param: an 8-bit peer's slice is smaller than the probe's buffers.
+            "pct_of_probe": 100.0 if c is best[family] else 100 * size / n / ratio(c, best[family]),
             "speedup": {},
             "times_ms": [t * 1e3 for t in c.times],
         }
+        if c is best[family]:
+            row["probe_variants_ns_per_param"] = {
+                x.name[len(family) + 2 : -1]: x.median_s * 1e9 / n for x, f in group if f == family and is_probe(x, f)
+            }
         # Speedups only where both sides do the same work: the peers make no bf16 copy.
         if c.name.startswith(CPU_ADAM) and "out" not in c.name:
-            row["speedup"] = {p: ratio(by_name[p], c) for p in PEERS if p in by_name}
+            row["speedup"] = {p: ratio(by_name[p], c) * n / PEER_PARAMS[p] for p in PEERS + PEERS8 if p in by_name}
         rows.append(row)
     return rows
 
 
 def offload_rows(label: str, group: list[tuple[Contender, str]], n: int, threads: int) -> list[dict]:
-    probe, one_pass = group[0][0], group[1][0]
-    return [
-        {
+    probe = best_probes(group)[PROBE]
+    one_pass = next(c for c, _ in group if c.name == "cpu_adam 1 pass")
+    rows = []
+    for c, family in group:
+        if is_probe(c, family) and c is not probe:
+            continue
+        row = {
             "section": "offload",
             "threads": threads,
             "config": label,
@@ -268,26 +341,49 @@ def offload_rows(label: str, group: list[tuple[Contender, str]], n: int, threads
             "one_pass_speedup": ratio(c, one_pass),
             "times_ms": [t * 1e3 for t in c.times],
         }
-        for c, _ in group
-    ]
+        if c is probe:
+            row["probe_variants_ns_per_param"] = {
+                x.name[len(PROBE) + 2 : -1]: x.median_s * 1e9 / n for x, f in group if f == PROBE and is_probe(x, f)
+            }
+        rows.append(row)
+    return rows
 
 
 def print_step_table(rows: list[dict], peers_status: dict[str, str]) -> None:
+    peers = PEERS + (PEERS8 if any(r["config"].endswith(SHORT[Q8]) for r in rows) else ())
     headers = ["params/grads/states", "implementation", "ms/step", "ns/param", "GB/s", "B/param", "% of probe"]
-    headers += [f"vs {p}" for p in PEERS] + ["IQR"]
+    headers += [f"vs {p}" for p in peers] + ["IQR"]
     body = []
     for r in rows:
-        cells = [r["config"], r["implementation"], fmt(r["ms_per_step"]), fmt(r["ns_per_param"], 3)]
+        name = r["implementation"]
+        if r["params"] != rows[0]["params"]:
+            name += f" ({size_label(r['params'])} params)"
+        cells = [r["config"], name, fmt(r["ms_per_step"]), fmt(r["ns_per_param"], 3)]
         cells += [fmt(r["gb_per_s"], 1), str(r["bytes_per_param"]), fmt(r["pct_of_probe"], 0)]
-        for p in PEERS:
+        for p in peers:
             if not r["implementation"].startswith(CPU_ADAM) or "out" in r["implementation"]:
                 cells.append("")
             elif p in r["speedup"]:
                 cells.append(f"{r['speedup'][p]:.2f}x")
+            elif (p in PEERS8) != r["config"].endswith(SHORT[Q8]):
+                cells.append("n/a (dtypes)")
             else:
                 cells.append(peers_status[p])
         cells.append(f"{100 * r['iqr_rel']:.0f}%")
         body.append(cells)
+    print(format_table(headers, body))
+
+
+def print_probe_variants(rows: list[dict]) -> None:
+    """Each probe variant's median as a % of the best one's speed (100 = the best, shown in the table)."""
+    headers = ["config", "probe", *PROBE_VARIANTS]
+    body = []
+    for r in rows:
+        variants = r.get("probe_variants_ns_per_param")
+        if variants:
+            best = min(variants.values())
+            family = r["implementation"].split(" [")[0]
+            body.append([r["config"], family] + [fmt(100 * best / variants[v], 0) for v in PROBE_VARIANTS])
     print(format_table(headers, body))
 
 
@@ -300,7 +396,7 @@ def print_offload_table(rows: list[dict]) -> None:
             fmt(r["ms_per_step"]),
             fmt(r["ns_per_param"], 3),
             fmt(r["pct_of_probe"], 0),
-            "" if r["implementation"] in (PROBE, "cpu_adam 1 pass") else f"{r['one_pass_speedup']:.2f}x",
+            "" if r["implementation"].startswith((PROBE, "cpu_adam 1 pass")) else f"{r['one_pass_speedup']:.2f}x",
             f"{100 * r['iqr_rel']:.0f}%",
         ]
         for r in rows
@@ -308,16 +404,30 @@ def print_offload_table(rows: list[dict]) -> None:
     print(format_table(headers, body))
 
 
-def peer_status(skip_deepspeed: bool) -> tuple[dict[str, bool], dict[str, str]]:
+def peer_status(skip_deepspeed: bool, with_8bit: bool) -> tuple[dict[str, bool], dict[str, str]]:
     """Which peers run, and for those that cannot, what the table says instead of a speedup."""
-    on = {TORCH_FOREACH: True, TORCH_FUSED: True, DEEPSPEED: False}
-    status = {TORCH_FOREACH: "n/a (dtypes)", TORCH_FUSED: "n/a (dtypes)", DEEPSPEED: "n/a (dtypes)"}
+    on = {TORCH_FOREACH: True, TORCH_FUSED: True, DEEPSPEED: False, BNB8: False, TORCHAO8: False}
+    status = {name: "n/a (dtypes)" for name in PEERS + PEERS8}
+    for name, module in ((BNB8, "bitsandbytes"), (TORCHAO8, "torchao.optim")):
+        if not with_8bit:
+            status[name] = "skipped"
+            continue
+        try:
+            importlib.import_module(module)
+            on[name] = True
+        except Exception as exc:  # ImportError, or a failing import-time check of the package
+            status[name] = f"not installed ({type(exc).__name__})"
     ds_cls, why = deepspeed_adam()
     if skip_deepspeed:
         status[DEEPSPEED] = "skipped"
     elif ds_cls is None:
         status[DEEPSPEED] = why
     else:
+        print(
+            f"DeepSpeedCPUAdam ({why}): loading its op; the first run builds it, a silent minute or more ...",
+            file=sys.stderr,
+            flush=True,
+        )
         ok, message = load_deepspeed_op(ds_cls)
         print(f"DeepSpeedCPUAdam: {why}, {message}", file=sys.stderr)
         on[DEEPSPEED] = ok
@@ -333,7 +443,7 @@ def run(
     jobs: list[tuple[str, str, Callable]] = []
     if "step" in sections:
         configs = [c for c in STEP_CONFIGS if SHORT[c.state] in states]
-        jobs += [("step", c.label, lambda c=c: step_group(c, n, peers_on)) for c in configs]
+        jobs += [("step", c.label, lambda c=c: step_group(c, n, peers_on, peers_status)) for c in configs]
     if "offload" in sections:
         jobs += [
             ("offload", f"{SHORT[m]}/{SHORT[s]}", lambda m=m, s=s: offload_group(m, s, n, peers_on))
@@ -426,6 +536,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sections", default="step,offload", help="comma list of: step, offload")
     parser.add_argument("--states", default="fp32,bf16,8bit", help="step configs by state precision (comma list)")
     parser.add_argument("--no-deepspeed", action="store_true", help="leave DeepSpeedCPUAdam out even if installed")
+    parser.add_argument("--no-8bit-peers", action="store_true", help="leave bitsandbytes' and torchao's AdamW8bit out")
     parser.add_argument("--json", metavar="PATH", help="write every figure (and the raw step times) here")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG of ns/param per config and implementation")
     args = parser.parse_args(argv)
@@ -433,7 +544,9 @@ def main(argv: list[str] | None = None) -> None:
     n = parse_size(args.size)
     sections = args.sections.split(",")
     thread_counts = parse_threads(args.threads)
-    peers_on, peers_status = peer_status(args.no_deepspeed)
+    peers_on, peers_status = peer_status(
+        args.no_deepspeed, "step" in sections and "8bit" in args.states.split(",") and not args.no_8bit_peers
+    )
     info = machine() | {"isa": ops.active_isa(), "size": n, "rounds": args.rounds, "warmup": args.warmup}
     print(f"# {info['cpu']}, {info['cpus']} cpus, torch {info['torch']}, cpu_adam ISA {info['isa']}")
     print(f"# {size_label(n)} params, {args.rounds} interleaved rounds after {args.warmup} warmup")
@@ -445,9 +558,13 @@ def main(argv: list[str] | None = None) -> None:
         if "step" in sections:
             print(f"\n## Adam step, {threads} thread(s)\n")
             print_step_table([r for r in rows if r["section"] == "step"], peers_status)
+            print("\nProbe variants, speed as % of the best (the table's probe):\n")
+            print_probe_variants([r for r in rows if r["section"] == "step"])
         if "offload" in sections:
             print(f"\n## Offload step (clip + Adam + bf16 weights), {threads} thread(s)\n")
             print_offload_table([r for r in rows if r["section"] == "offload"])
+            print("\nProbe variants, speed as % of the best (the table's probe):\n")
+            print_probe_variants([r for r in rows if r["section"] == "offload"])
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": info, "peers": peers_status, "results": results}, indent=1))
     if args.plot:

@@ -20,6 +20,7 @@ from . import _build
 from ._threads import judge_threads_once
 
 __all__ = [
+    "PROBE_VARIANTS",
     "active_isa",
     "adam_step",
     "adam_step_groups",
@@ -194,6 +195,9 @@ def group_counter_base(index: int) -> int:
     return index << 48
 
 
+PROBE_VARIANTS = ("plain", "prefetched", "streaming", "prefetched+streaming")
+
+
 def bandwidth_probe(
     params: Sequence[Tensor],
     grads: Sequence[Tensor],
@@ -201,15 +205,21 @@ def bandwidth_probe(
     exp_avg_sqs: Sequence[Tensor],
     bf16_outs: Sequence[Tensor] | None = None,
     state_scales: Sequence[Tensor] | None = None,
+    variant: str = "prefetched",
 ) -> None:
-    """Moves exactly the bytes ``adam_step`` moves, with trivial math: its roofline.
+    """Moves exactly the bytes ``adam_step`` moves, as raw vectors with no arithmetic: its roofline.
 
-    Overwrites the tensors (param += grad, moments += grad; 8-bit codes and scales += 1).
+    ``variant`` (one of ``PROBE_VARIANTS``) is how memory is asked for: with the kernel's
+    software prefetch or without, with plain or non-temporal (streaming) stores. The fastest
+    depends on the machine: take the best of all. Overwrites the tensors: every byte of params,
+    moments and block scales plus one (mod 256), the bf16 outputs filled with 0x3F; grads are read.
     """
+    if variant not in PROBE_VARIANTS:
+        raise ValueError(f"cpu_adam: the probe variant is one of {', '.join(PROBE_VARIANTS)}; got {variant!r}")
     outs = list(bf16_outs) if bf16_outs is not None else []
     scales = list(state_scales) if state_scales is not None else []
     _check_all(params, grads, exp_avgs, exp_avg_sqs, outs)
-    _ops().bandwidth_probe_(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), outs, scales)
+    _ops().bandwidth_probe_(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), outs, scales, variant)
 
 
 def compiled_isas() -> list[str]:

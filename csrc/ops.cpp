@@ -400,7 +400,7 @@ Hyper adam_hyper(double lr, double beta1, double beta2, double eps, double weigh
   h.beta2 = static_cast<float>(beta2);
   h.one_minus_beta2 = static_cast<float>(1.0 - beta2);
   h.stochastic_rounding = stochastic_rounding;
-  h.probe = false;
+  h.probe = ProbeVariant::none;
   return h;
 }
 
@@ -427,11 +427,21 @@ void check_adam_step(const std::vector<Tensor>& params, const std::vector<Tensor
   check_tensors({&params, &grads, &exp_avgs, &exp_avg_sqs, &bf16_outs, &state_scales}, counter_offsets);
 }
 
+ProbeVariant probe_variant(const std::string& name) {
+  if (name == "plain") return ProbeVariant::plain;
+  if (name == "prefetched") return ProbeVariant::prefetched;
+  if (name == "streaming") return ProbeVariant::streaming;
+  TORCH_CHECK_VALUE(name == "prefetched+streaming", "cpu_adam: the probe variant is one of plain, prefetched, ",
+                    "streaming, prefetched+streaming; got '", name, "'");
+  return ProbeVariant::prefetched_streaming;
+}
+
 void bandwidth_probe(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
                      const std::vector<Tensor>& exp_avgs, const std::vector<Tensor>& exp_avg_sqs,
-                     const std::vector<Tensor>& bf16_outs, const std::vector<Tensor>& state_scales) {
+                     const std::vector<Tensor>& bf16_outs, const std::vector<Tensor>& state_scales,
+                     const std::string& variant) {
   Hyper h{};
-  h.probe = true;
+  h.probe = probe_variant(variant);
   launch({&params, &grads, &exp_avgs, &exp_avg_sqs, &bf16_outs, &state_scales}, h, 0, 0, {});
 }
 
@@ -463,7 +473,7 @@ TORCH_LIBRARY(cpu_adam, m) {
       "bool stochastic_rounding, int seed, int step, int[] counter_offsets, Tensor[] state_scales) -> ()");
   m.def(
       "bandwidth_probe_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
-      "Tensor(d!)[] bf16_outs, Tensor(e!)[] state_scales) -> ()");
+      "Tensor(d!)[] bf16_outs, Tensor(e!)[] state_scales, str variant) -> ()");
   m.def("compiled_isas() -> str[]", &compiled_isa_names);
   m.def("supported_isas() -> str[]", &supported_isa_names);
   m.def("active_isa() -> str", &active_isa_name);

@@ -707,3 +707,40 @@ def test_views_with_unrelated_strides_are_told_apart_or_refused_as_too_intricate
     with pytest.raises(RuntimeError, match="too intricate to prove they share no memory"):
         step_two_tuples(tensors)
     assert_same_bits(buffer, before, "a refused step wrote into the buffer")
+
+
+@pytest.mark.parametrize("variant", ops.PROBE_VARIANTS)
+@pytest.mark.parametrize(
+    ("param", "grad", "state"),
+    [(torch.float32, torch.bfloat16, torch.uint8), (torch.bfloat16, torch.float32, torch.float32)],
+)
+def test_bandwidth_probe_moves_every_byte(isa: str, variant: str, param, grad, state) -> None:
+    """Every byte of params, moments and scales read and written back plus one, the output filled,
+    the grads only read: in every variant and ISA, at sizes around vector widths and blocks, on
+    aligned tensors (streaming stores) and offset views (plain stores instead)."""
+    for n, offset in [(0, 0), (1, 0), (63, 1), (64, 0), (257, 3), (4097, 0), (4097, 1)]:
+        g = torch.Generator().manual_seed(n)
+        tensors = [torch.randn(n + offset, generator=g).to(d)[offset:] for d in (param, grad)]
+        tensors += [
+            torch.randint(0, 256, (n + offset,), generator=g, dtype=torch.uint8).view(-1)[offset:].to(state)
+            if state == torch.uint8
+            else torch.randn(n + offset, generator=g)[offset:]
+            for _ in range(2)
+        ]
+        scales = [torch.randn(2, -(-n // 256), generator=g)] if state == torch.uint8 else None
+        out = torch.zeros(n, dtype=torch.bfloat16)
+        before = [t.clone() for t in tensors] + ([scales[0].clone()] if scales else [])
+        with ops.force_isa(isa):
+            ops.bandwidth_probe(*([t] for t in tensors), bf16_outs=[out], state_scales=scales, variant=variant)
+        written = [tensors[0], tensors[2], tensors[3], *(scales or [])]
+        for new, old in zip(written, [before[0], before[2], before[3], *before[4:]]):
+            expected = (old.contiguous().view(torch.uint8).int() + 1).remainder(256).to(torch.uint8)
+            assert torch.equal(new.contiguous().view(torch.uint8), expected), f"n={n}, offset={offset}"
+        assert torch.equal(tensors[1], before[1])
+        assert (out.view(torch.uint8) == 0x3F).all()
+
+
+def test_bandwidth_probe_refuses_unknown_variant() -> None:
+    t = torch.zeros(4)
+    with pytest.raises(ValueError, match="plain, prefetched"):
+        ops.bandwidth_probe([t], [t.clone()], [t.clone()], [t.clone()], variant="fast")

@@ -103,6 +103,12 @@ def test_kernel_encodes_like_quant8(isa: str) -> None:
     grad[900] = math.inf
     grad[1100] = 1e-45 * 2**20  # tiny next to its block
     grad[1400:1656] = 1e-30  # g * g underflows
+    # The largest scales, whose reciprocals the encode multiplies by: 2^127 (2^-127 is no normal
+    # float: two factors) and 2^126, each block with small values next to its largest.
+    for block, largest in ((12, 3.0e38), (13, 1.0e38)):
+        values = torch.randn(256, generator=g) * torch.pow(2.0, torch.randint(90, 126, (256,), generator=g).float())
+        values[7], values[99], values[150] = largest, -0.75 * largest, 2.0**-100
+        grad[256 * block : 256 * (block + 1)] = values
     zeros = torch.zeros(n, dtype=torch.uint8)
     tensors = [torch.zeros(n), grad, zeros, zeros, torch.ones(2, quant8.blocks(n))]
     _, m, u, scales = q8_step(isa, tensors, lr=0.0, beta1=0.0, beta2=0.0, bias_correction=False)
@@ -112,6 +118,8 @@ def test_kernel_encodes_like_quant8(isa: str) -> None:
     assert torch.equal(raw(scales), raw(torch.stack([m_scale, u_scale])))
     assert scales[:, 2:4].isnan().all() and (scales[:, 1] == 1).all()  # nan, inf blocks; the zero block
     assert (u[1400:1656] == 0).all()  # underflowed: v is 0
+    assert scales[0, 12] == 2.0**127 and scales[0, 13] == 2.0**126
+    assert (m[256 * 12 : 256 * 14] & 0x7F).unique().numel() > 20  # codes across the range
 
 
 @pytest.mark.parametrize("step", [1, 50])

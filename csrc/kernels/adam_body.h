@@ -15,6 +15,7 @@
 #include <cstdint>
 
 #include "adam_kernel.h"
+#include "probe_body.h"
 #include "quant8.h"
 
 namespace cpu_adam {
@@ -36,7 +37,8 @@ constexpr uint32_t kF32Inf = 0x7F800000u;
 struct ScalarOps {
   using F = float;
   using U = uint32_t;
-  using H = uint32_t;  // bf16 bits, in whatever form the ISA stores fastest
+  using H = uint32_t;         // bf16 bits, in whatever form the ISA stores fastest
+  using Bytes = ScalarBytes;  // the probe's raw vectors (probe_body.h)
   static constexpr int64_t width() { return 1; }
 
   static F set1(float x) { return x; }
@@ -81,7 +83,7 @@ constexpr bool is_bf16 = sizeof(T) == 2;
 // narrow to the first lanes (a predicated tail); the arithmetic runs on every lane.
 // kRoot: exp_avg_sq holds float32 roots sqrt(v) (the decoded 8-bit state), read
 // as u * u and written as the new sqrt(v).
-template <class V, class P, class G, class S, bool kProbe, bool kRoot = false>
+template <class V, class P, class G, class S, bool kRoot = false>
 inline void update(int64_t i, const Segment& s, const Hyper& h, V ops = {}) {
   using F = typename V::F;
   using H = typename V::H;
@@ -93,22 +95,15 @@ inline void update(int64_t i, const Segment& s, const Hyper& h, V ops = {}) {
   F p = ops.load(param);
   F m = ops.load(exp_avg);
   F v = ops.load(exp_avg_sq);
-  F root = v;
-  if (kProbe) {
-    p = V::add(p, g);
-    m = V::add(m, g);
-    v = V::add(v, g);
-  } else {
-    g = V::mul(g, V::set1(h.grad_scale));
-    if (h.l2 != 0.0f) g = V::add(g, V::mul(p, V::set1(h.l2)));
-    p = V::mul(p, V::set1(h.decay));
-    m = V::add(m, V::mul(V::sub(g, m), V::set1(h.one_minus_beta1)));
-    if (kRoot) v = V::mul(v, v);
-    v = V::add(V::mul(v, V::set1(h.beta2)), V::mul(V::mul(V::set1(h.one_minus_beta2), g), g));
-    root = V::sqrt(v);
-    const F denom = V::add(V::mul(root, V::set1(h.inv_bc2_sqrt)), V::set1(h.eps));
-    p = V::sub(p, V::mul(V::set1(h.step_size), V::div(m, denom)));
-  }
+  g = V::mul(g, V::set1(h.grad_scale));
+  if (h.l2 != 0.0f) g = V::add(g, V::mul(p, V::set1(h.l2)));
+  p = V::mul(p, V::set1(h.decay));
+  m = V::add(m, V::mul(V::sub(g, m), V::set1(h.one_minus_beta1)));
+  if (kRoot) v = V::mul(v, v);
+  v = V::add(V::mul(v, V::set1(h.beta2)), V::mul(V::mul(V::set1(h.one_minus_beta2), g), g));
+  const F root = V::sqrt(v);
+  const F denom = V::add(V::mul(root, V::set1(h.inv_bc2_sqrt)), V::set1(h.eps));
+  p = V::sub(p, V::mul(V::set1(h.step_size), V::div(m, denom)));
 
   if constexpr (is_bf16<S>) {
     ops.store16(exp_avg, V::bf16_nearest(m));
@@ -160,7 +155,7 @@ constexpr bool kHasPartial = false;
 template <class V>
 constexpr bool kHasPartial<V, decltype(void(V::partial(int64_t{1})))> = true;
 
-template <class V, class P, class G, class S, bool kProbe, bool kRoot = false>
+template <class V, class P, class G, class S, bool kRoot = false>
 void run_segment(const Segment& segment, const Hyper& hyper) {
   // Local copies: the compiler cannot prove that stores through the data
   // pointers leave the caller's structs alone, and would reload every field
@@ -179,21 +174,20 @@ void run_segment(const Segment& segment, const Hyper& hyper) {
     if (group > kLineElements) {
       for (int64_t line = i + kLineElements; line < i + group; line += kLineElements) prefetch_ahead<P, G, S>(line, s);
     }
-    for (int64_t j = i; j < i + group; j += width) update<V, P, G, S, kProbe, kRoot>(j, s, h);
+    for (int64_t j = i; j < i + group; j += width) update<V, P, G, S, kRoot>(j, s, h);
   }
-  for (; i + width <= s.n; i += width) update<V, P, G, S, kProbe, kRoot>(i, s, h);
+  for (; i + width <= s.n; i += width) update<V, P, G, S, kRoot>(i, s, h);
   if constexpr (kHasPartial<V>) {
-    if (i < s.n) update<decltype(V::partial(1)), P, G, S, kProbe, kRoot>(i, s, h, V::partial(s.n - i));
+    if (i < s.n) update<decltype(V::partial(1)), P, G, S, kRoot>(i, s, h, V::partial(s.n - i));
   } else {
-    for (; i < s.n; ++i) update<ScalarOps, P, G, S, kProbe, kRoot>(i, s, h);
+    for (; i < s.n; ++i) update<ScalarOps, P, G, S, kRoot>(i, s, h);
   }
 }
 
 // 8-bit states, one block at a time: decode the codes into float32 buffers on the
 // stack, run the Adam loop above on them (the param update sees the new, unrounded
-// m and v), then encode the block with its new scales. The probe moves the same
-// bytes: codes and scales are read and written back changed.
-template <class V, class P, class G, bool kProbe>
+// m and v), then encode the block with its new scales.
+template <class V, class P, class G>
 void run_q8_segment(const Segment& segment, const Hyper& h) {
   const Segment s = segment;
   alignas(64) float m[kQ8Block] = {};
@@ -211,20 +205,10 @@ void run_q8_segment(const Segment& segment, const Hyper& h) {
     part.n = hi - lo;
     part.first_counter = s.first_counter + static_cast<uint32_t>(start + lo);
     part.rng_key = key;
-    run_segment<V, P, G, float, kProbe, true>(part, h);
+    run_segment<V, P, G, float, true>(part, h);
   };
   for (int64_t b = 0, start = 0; start < s.n; ++b, start += kQ8Block) {
     const int64_t n = std::min(kQ8Block, s.n - start);
-    if (kProbe) {
-      adam(start, 0, n, s.rng_key);
-      for (int64_t i = 0; i < n; ++i) {
-        m_codes[start + i] = static_cast<uint8_t>(m_codes[start + i] + 1);
-        u_codes[start + i] = static_cast<uint8_t>(u_codes[start + i] + 1);
-      }
-      s.exp_avg_scale[b] += 1.0f;
-      s.exp_avg_sq_scale[b] += 1.0f;
-      continue;
-    }
     decode_avg_block(m_codes + start, n, s.exp_avg_scale[b], m);
     decode_root_block(u_codes + start, n, s.exp_avg_sq_scale[b], u);
     const int64_t wrap = s.counter_wrap - start;
@@ -241,48 +225,48 @@ void run_q8_segment(const Segment& segment, const Hyper& h) {
   }
 }
 
-template <class V, bool kProbe>
+template <class V>
 void run_layout(const Segment& s, Layout l, const Hyper& h) {
   using B = uint16_t;
   if (l.state == DType::q8) {
     switch ((l.param == DType::bf16) << 1 | (l.grad == DType::bf16)) {
       case 0:
-        return run_q8_segment<V, float, float, kProbe>(s, h);
+        return run_q8_segment<V, float, float>(s, h);
       case 1:
-        return run_q8_segment<V, float, B, kProbe>(s, h);
+        return run_q8_segment<V, float, B>(s, h);
       case 2:
-        return run_q8_segment<V, B, float, kProbe>(s, h);
+        return run_q8_segment<V, B, float>(s, h);
       default:
-        return run_q8_segment<V, B, B, kProbe>(s, h);
+        return run_q8_segment<V, B, B>(s, h);
     }
   }
   const int code = (l.param == DType::bf16) << 2 | (l.grad == DType::bf16) << 1 | (l.state == DType::bf16);
   switch (code) {
     case 0:
-      return run_segment<V, float, float, float, kProbe>(s, h);
+      return run_segment<V, float, float, float>(s, h);
     case 1:
-      return run_segment<V, float, float, B, kProbe>(s, h);
+      return run_segment<V, float, float, B>(s, h);
     case 2:
-      return run_segment<V, float, B, float, kProbe>(s, h);
+      return run_segment<V, float, B, float>(s, h);
     case 3:
-      return run_segment<V, float, B, B, kProbe>(s, h);
+      return run_segment<V, float, B, B>(s, h);
     case 4:
-      return run_segment<V, B, float, float, kProbe>(s, h);
+      return run_segment<V, B, float, float>(s, h);
     case 5:
-      return run_segment<V, B, float, B, kProbe>(s, h);
+      return run_segment<V, B, float, B>(s, h);
     case 6:
-      return run_segment<V, B, B, float, kProbe>(s, h);
+      return run_segment<V, B, B, float>(s, h);
     default:
-      return run_segment<V, B, B, B, kProbe>(s, h);
+      return run_segment<V, B, B, B>(s, h);
   }
 }
 
 template <class V>
 void run(const Segment& s, Layout l, const Hyper& h) {
-  if (h.probe) {
-    run_layout<V, true>(s, l, h);
+  if (h.probe != ProbeVariant::none) {
+    run_probe<typename V::Bytes>(s, l, h.probe);
   } else {
-    run_layout<V, false>(s, l, h);
+    run_layout<V>(s, l, h);
   }
 }
 

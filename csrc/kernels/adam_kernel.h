@@ -39,6 +39,11 @@ struct Layout {
   DType state;
 };
 
+// The bandwidth probe (probe_body.h) instead of the Adam step, and how it asks
+// memory for the bytes: with the kernel's software prefetch or without, with
+// plain or non-temporal (streaming) stores.
+enum class ProbeVariant : uint8_t { none, plain, prefetched, streaming, prefetched_streaming };
+
 // Scalars already folded the way torch folds them in double precision; the
 // kernels only cast them to float.
 struct Hyper {
@@ -52,7 +57,7 @@ struct Hyper {
   float beta2;
   float one_minus_beta2;
   bool stochastic_rounding;  // bf16 param stores only
-  bool probe;                // trivial math, same bytes: the bandwidth roofline
+  ProbeVariant probe;        // none: the Adam step
 };
 
 using KernelFn = void (*)(const Segment&, Layout, const Hyper&);

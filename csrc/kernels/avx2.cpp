@@ -14,10 +14,23 @@
 namespace cpu_adam {
 namespace {
 
+struct Avx2Bytes {
+  using T = __m256i;
+  static constexpr int64_t size() { return 32; }
+  static T load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static void store(uint8_t* p, T x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), x); }
+  static void stream(uint8_t* p, T x) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), x); }
+  static void fence() { _mm_sfence(); }
+  static T plus_one(T x) { return _mm256_add_epi8(x, _mm256_set1_epi8(1)); }
+  static T fill(uint8_t b) { return _mm256_set1_epi8(static_cast<char>(b)); }
+  static void keep(T x) { __asm__ volatile("" : : "x"(x)); }
+};
+
 struct Avx2Ops {
   using F = __m256;
   using U = __m256i;
   using H = __m256i;
+  using Bytes = Avx2Bytes;
   static constexpr int64_t width() { return 8; }
 
   static U splat(uint32_t x) { return _mm256_set1_epi32(static_cast<int>(x)); }

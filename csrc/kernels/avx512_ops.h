@@ -7,10 +7,23 @@
 namespace cpu_adam {
 namespace {
 
+struct Avx512Bytes {
+  using T = __m512i;
+  static constexpr int64_t size() { return 64; }
+  static T load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+  static void store(uint8_t* p, T x) { _mm512_storeu_si512(p, x); }
+  static void stream(uint8_t* p, T x) { _mm512_stream_si512(reinterpret_cast<__m512i*>(p), x); }
+  static void fence() { _mm_sfence(); }
+  static T plus_one(T x) { return _mm512_add_epi8(x, _mm512_set1_epi8(1)); }
+  static T fill(uint8_t b) { return _mm512_set1_epi8(static_cast<char>(b)); }
+  static void keep(T x) { __asm__ volatile("" : : "v"(x)); }
+};
+
 struct Avx512Ops {
   using F = __m512;
   using U = __m512i;
   using H = __m512i;
+  using Bytes = Avx512Bytes;
   static constexpr int64_t width() { return 16; }
 
   static U splat(uint32_t x) { return _mm512_set1_epi32(static_cast<int>(x)); }

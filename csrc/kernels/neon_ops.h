@@ -7,10 +7,24 @@
 namespace cpu_adam {
 namespace {
 
+// NEON has no non-temporal store intrinsic: `stream` is a plain store.
+struct NeonBytes {
+  using T = uint8x16_t;
+  static constexpr int64_t size() { return 16; }
+  static T load(const uint8_t* p) { return vld1q_u8(p); }
+  static void store(uint8_t* p, T x) { vst1q_u8(p, x); }
+  static void stream(uint8_t* p, T x) { vst1q_u8(p, x); }
+  static void fence() {}
+  static T plus_one(T x) { return vaddq_u8(x, vdupq_n_u8(1)); }
+  static T fill(uint8_t b) { return vdupq_n_u8(b); }
+  static void keep(T x) { __asm__ volatile("" : : "w"(x)); }
+};
+
 struct NeonOps {
   using F = float32x4_t;
   using U = uint32x4_t;
   using H = uint16x4_t;
+  using Bytes = NeonBytes;
   static constexpr int64_t width() { return 4; }
 
   static F set1(float x) { return vdupq_n_f32(x); }

@@ -21,10 +21,28 @@ struct SvePartial : Full {
   void store16(uint16_t* p, typename Full::H bits) const { svst1h_u32(active(), p, bits); }
 };
 
+struct SveBytes {
+  using T = svuint8_t;
+  static int64_t size() {
+    int64_t bytes = static_cast<int64_t>(svcntb());
+    __asm__("" : "+r"(bytes));  // as in SveOps::width()
+    return bytes;
+  }
+  static svbool_t all() { return svptrue_b8(); }
+  static T load(const uint8_t* p) { return svld1_u8(all(), p); }
+  static void store(uint8_t* p, T x) { svst1_u8(all(), p, x); }
+  static void stream(uint8_t* p, T x) { svstnt1_u8(all(), p, x); }
+  static void fence() {}
+  static T plus_one(T x) { return svadd_n_u8_x(all(), x, 1); }
+  static T fill(uint8_t b) { return svdup_n_u8(b); }
+  static void keep(T x) { __asm__ volatile("" : : "w"(x)); }
+};
+
 struct SveOps {
   using F = svfloat32_t;
   using U = svuint32_t;
   using H = svuint32_t;  // bf16 bits in the low half of each lane; stores narrow
+  using Bytes = SveBytes;
   // Read once per segment. The empty asm hides the value's origin: GCC 11 crashes
   // (in value-range propagation) dividing by a vector-length count.
   static int64_t width() {

@@ -40,6 +40,7 @@ using cpu_adam::Hyper;
 using cpu_adam::Isa;
 using cpu_adam::KernelFn;
 using cpu_adam::Layout;
+using cpu_adam::ProbeVariant;
 using cpu_adam::Segment;
 
 #if defined(__aarch64__)
@@ -172,16 +173,19 @@ struct Variant {
   double lr, beta1, beta2, eps, weight_decay;
   bool adamw, bias_correction;
   double grad_scale;
-  bool out, out_is_grad, stochastic, probe;
+  bool out, out_is_grad, stochastic;
+  ProbeVariant probe;
 };
 
 const Variant kVariants[] = {
-    {"plain", 1, 1e-2, 0.9, 0.999, 1e-8, 0.0, true, true, 1.0, false, false, false, false},
-    {"adamw+grad_scale+out", 3, 1e-2, 0.9, 0.999, 1e-8, 0.1, true, true, 0.37, true, false, false, false},
-    {"l2+no_bias_correction+out", 7, 1e-2, 0.9, 0.999, 1e-8, 0.1, false, false, 1.0, true, false, false, false},
-    {"stochastic+out", 2, 1e-3, 0.9, 0.999, 1e-8, 0.01, true, true, 1.0, true, false, true, false},
-    {"stochastic+out=grad", 5, 1e-3, 0.8, 0.99, 1e-6, 0.0, true, true, 2.0, true, true, true, false},
-    {"probe+out", 1, 0.0, 0.0, 0.0, 0.0, 0.0, true, true, 1.0, true, false, false, true},
+    {"plain", 1, 1e-2, 0.9, 0.999, 1e-8, 0.0, true, true, 1.0, false, false, false, ProbeVariant::none},
+    {"adamw+grad_scale+out", 3, 1e-2, 0.9, 0.999, 1e-8, 0.1, true, true, 0.37, true, false, false, ProbeVariant::none},
+    {"l2+no_bias_correction+out", 7, 1e-2, 0.9, 0.999, 1e-8, 0.1, false, false, 1.0, true, false, false,
+     ProbeVariant::none},
+    {"stochastic+out", 2, 1e-3, 0.9, 0.999, 1e-8, 0.01, true, true, 1.0, true, false, true, ProbeVariant::none},
+    {"stochastic+out=grad", 5, 1e-3, 0.8, 0.99, 1e-6, 0.0, true, true, 2.0, true, true, true, ProbeVariant::none},
+    {"probe+out", 1, 0.0, 0.0, 0.0, 0.0, 0.0, true, true, 1.0, true, false, false, ProbeVariant::prefetched_streaming},
+    {"probe plain", 1, 0.0, 0.0, 0.0, 0.0, 0.0, true, true, 1.0, false, false, false, ProbeVariant::plain},
 };
 
 // Around every vector width (4 to 64 lanes) and its tails, one or two line
@@ -247,8 +251,8 @@ std::vector<Case> all_cases() {
 // Folded in double as ops.cpp folds them, then rounded once to float.
 Hyper make_hyper(const Variant& v) {
   Hyper h{};
-  if (v.probe) {
-    h.probe = true;
+  if (v.probe != ProbeVariant::none) {
+    h.probe = v.probe;
     return h;
   }
   double beta1_t = 1.0, beta2_t = 1.0;
