@@ -6,7 +6,8 @@
 //   order; `unknown` is allowed only where the header allows it (past one dim per tensor).
 //
 // Input, little-endian, bytes past the end read as 0; per tensor:
-//   0      bits 0-1 item size (1, 2, 4, 8), bits 2-4 dims (% 5), bits 5-7 base shift (0..7 * 6 bits)
+//   0      bits 0-1 item size (1, 2, 4, 8), bits 2-4 dims (% 5), bits 5-7 base shift (0 to 14 bits,
+//          so that bases stay below 2^46, as addresses do)
 //   1-4    base (shifted left by the base shift)
 //   then per dim: 2 bytes stride, 1 byte stride shift (% 25), 1 byte size (% 17 + 1, or % 65 + 1
 //   for the first dim when bit 7 of the shift byte is set)
@@ -48,7 +49,7 @@ Layout read_layout(Reader& r) {
   Layout l;
   l.item = int64_t{1} << (head & 3);
   const int dims = ((head >> 2) & 7) % 5;
-  l.base = static_cast<int64_t>(r.bytes(4) << (6 * (head >> 5)));
+  l.base = static_cast<int64_t>(r.bytes(4) << (2 * (head >> 5)));
   int64_t elements = 1;
   for (int d = 0; d < dims; ++d) {
     const auto stride = static_cast<int64_t>(r.bytes(2));

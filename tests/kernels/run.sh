@@ -98,10 +98,12 @@ fuzz() {  # target, seconds
   "$work/fuzz-$1" -max_total_time="$2" -timeout=20 -print_final_stats=1 -artifact_prefix="$artifacts/$1-" \
     "$work/corpus-$1" "$work/seeds/$1"
 }
+adam_seconds=$((fuzz_seconds * 2 / 3))
 for target in adam overlap; do
-  seconds=$((target == adam ? fuzz_seconds * 2 / 3 : fuzz_seconds - fuzz_seconds * 2 / 3))
+  seconds=$adam_seconds
+  [ "$target" = overlap ] && seconds=$((fuzz_seconds - adam_seconds))
   check "fuzz_$target, ${seconds} s" fuzz "$target" "$seconds"
-  grep -E "^#[0-9]+ *DONE|stat::number_of_executed_units|stat::new_units_added" "$work/out" | sed 's/^/     /' || true
+  grep -E "^#[0-9]+[[:space:]]+DONE|stat::number_of_executed_units|stat::new_units_added" "$work/out" | sed 's/^/     /' || true
   for crash in "$artifacts/$target"-*; do
     [ -e "$crash" ] || continue
     echo "     input $crash:"
