@@ -11,14 +11,14 @@
 # when that is set.
 #
 # Needs (Debian): clang-16 libclang-rt-16-dev g++; .ci/run installs them. Override the tools with
-# CLANGXX and HOST_CXX; FUZZ_SECONDS (default 45) is the fuzzing time, two thirds of it on the
+# CLANGXX and HOST_CXX; FUZZ_SECONDS (default 36) is the fuzzing time, two thirds of it on the
 # kernels and one third on the overlap check; KERNEL_JOBS (default 2) compiles in parallel.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 clangxx=${CLANGXX:-clang++-16}
 host_cxx=${HOST_CXX:-g++}
-fuzz_seconds=${FUZZ_SECONDS:-45}
+fuzz_seconds=${FUZZ_SECONDS:-36}
 jobs=${KERNEL_JOBS:-2}
 for tool in "$clangxx" "$host_cxx" python3; do
   if ! command -v "$tool" > /dev/null; then
