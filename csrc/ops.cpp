@@ -19,6 +19,7 @@
 
 #include "denormals.h"
 #include "dispatch.h"
+#include "hyper.h"
 #include "memory_overlap.h"
 
 namespace cpu_adam {
@@ -43,16 +44,6 @@ int64_t q8_blocks(int64_t numel) { return (numel + kQ8Block - 1) / kQ8Block; }
 template <class T>
 std::string text(T value) {
   return std::to_string(value);
-}
-
-// Doubles as Python prints them, in the fewest digits that read back the same value
-// (std::to_string's six fixed decimals print 1e-8 as 0.000000).
-std::string text(double value) {
-  char digits[32];
-  for (int precision = 1;; ++precision) {
-    std::snprintf(digits, sizeof digits, "%.*g", precision, value);
-    if (precision == 17 || std::strtod(digits, nullptr) == value) return digits;
-  }
 }
 
 DType dtype_of(const Tensor& t, const char* role, size_t i) {
@@ -358,49 +349,15 @@ void launch(const TensorLists& lists, const Hyper& h, int64_t seed, int64_t step
   }
 }
 
-// The kernel computes in float32: a folded scalar past its range would make every update inf or NaN.
-float in_float_range(double value, const char* what) {
-  const auto narrowed = static_cast<float>(value);
-  TORCH_CHECK_VALUE(std::isfinite(narrowed), "cpu_adam: ", what, " is ", text(value),
-                    ", beyond float32's range (+-3.4e38), in which the kernel computes");
-  return narrowed;
-}
-
-// A scalar out of range would write NaN, or a plausible wrong number, into every tensor: each is
-// refused by name, with the range it must be in, before anything is written.
+// The scalars are checked and folded where the tests' drivers can use them too (hyper.h).
 Hyper adam_hyper(double lr, double beta1, double beta2, double eps, double weight_decay, bool adamw_mode,
                  double bias_correction1, double bias_correction2, double grad_scale, bool stochastic_rounding,
                  int64_t step) {
-  TORCH_CHECK_VALUE(std::isfinite(lr) && lr >= 0, "cpu_adam: lr must be finite and >= 0, got ", text(lr));
-  TORCH_CHECK_VALUE(beta1 >= 0 && beta1 < 1, "cpu_adam: beta1 must be in [0, 1), got ", text(beta1));
-  TORCH_CHECK_VALUE(beta2 >= 0 && beta2 < 1, "cpu_adam: beta2 must be in [0, 1), got ", text(beta2));
-  TORCH_CHECK_VALUE(std::isfinite(eps) && eps >= 0, "cpu_adam: eps must be finite and >= 0, got ", text(eps));
-  TORCH_CHECK_VALUE(std::isfinite(weight_decay) && weight_decay >= 0,
-                    "cpu_adam: weight_decay must be finite and >= 0, got ", text(weight_decay));
-  TORCH_CHECK_VALUE(std::isfinite(grad_scale), "cpu_adam: grad_scale must be finite, got ", text(grad_scale));
-  TORCH_CHECK_VALUE(step >= 1, "cpu_adam: step counts from 1 (the step being taken), got ", text(step));
-  const auto check_bias_correction = [](const char* name, double value) {
-    TORCH_CHECK_VALUE(std::isfinite(value) && value > 0, "cpu_adam: ", name, " must be finite and > 0, got ",
-                      text(value), "; compute it as 1 - beta**step with step >= 1 (1 without bias correction)");
-  };
-  check_bias_correction("bias_correction1", bias_correction1);
-  check_bias_correction("bias_correction2", bias_correction2);
-  // Folded in double, as torch folds them in Python, then rounded once to float.
   Hyper h;
-  h.step_size = in_float_range(lr / bias_correction1, "lr / bias_correction1");
-  h.inv_bc2_sqrt = in_float_range(1.0 / std::sqrt(bias_correction2), "1 / sqrt(bias_correction2)");
-  // The step flushes denormals, which would turn an eps below 2^-126 into 0 and a zero grad's
-  // update into 0/0: the smallest normal float keeps eps what it is for, a floor.
-  const float eps_float = in_float_range(eps, "eps");
-  h.eps = eps > 0 ? std::max(eps_float, std::numeric_limits<float>::min()) : eps_float;
-  h.decay = in_float_range(adamw_mode ? 1.0 - lr * weight_decay : 1.0, "1 - lr * weight_decay");
-  h.l2 = in_float_range(adamw_mode ? 0.0 : weight_decay, "weight_decay");
-  h.grad_scale = in_float_range(grad_scale, "grad_scale");
-  h.one_minus_beta1 = static_cast<float>(1.0 - beta1);
-  h.beta2 = static_cast<float>(beta2);
-  h.one_minus_beta2 = static_cast<float>(1.0 - beta2);
-  h.stochastic_rounding = stochastic_rounding;
-  h.probe = ProbeVariant::none;
+  const std::string error = fold_hyper({lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction1,
+                                        bias_correction2, grad_scale, stochastic_rounding, step},
+                                       h);
+  TORCH_CHECK_VALUE(error.empty(), error);
   return h;
 }
 

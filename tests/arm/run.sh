@@ -2,9 +2,10 @@
 # The ARM kernels, tested on an x86-64 machine (emulated, not timed):
 # - every torch-free source in cpu_adam/_build.py compiled for AArch64 with GCC and Clang, -Werror,
 #   with the project's flags, and no fused multiply-add in any kernel;
-# - the driver (driver.cpp) built for x86-64 writes the scalar kernel's results, then each AArch64
-#   build runs under qemu-aarch64 at SVE vector lengths of 128, 256, 512 and 2048 bits: every ARM ISA
-#   against the ARM scalar kernel, and the ARM scalar kernel against the x86 one;
+# - the kernel driver (tests/kernels/driver.cpp) built for x86-64 writes the scalar kernel's
+#   results, then each AArch64 build runs under qemu-aarch64 at SVE vector lengths of 128, 256, 512
+#   and 2048 bits: every ARM ISA against the ARM scalar kernel, and the ARM scalar kernel against the
+#   x86 one;
 # - run-time detection under CPU models without SVE or BF16, CPU_ADAM_ISA, and the AArch64 build
 #   without Linux's auxiliary vector (as on macOS), which has NEON only.
 #
@@ -32,25 +33,9 @@ start=$SECONDS
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
-# The flags and sources of the real build, from the one place they live (less OpenMP: the kernels
-# have no parallel code, and the driver runs on one thread).
-read -r -a flags <<< "$(python3 - << 'EOF'
-import importlib.util
-spec = importlib.util.spec_from_file_location("build", "cpu_adam/_build.py")
-build = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(build)
-print(" ".join(f for f in build.CXX_FLAGS if f != "-fopenmp"))
-EOF
-)"
-read -r -a sources <<< "$(python3 - << 'EOF'
-import importlib.util
-spec = importlib.util.spec_from_file_location("build", "cpu_adam/_build.py")
-build = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(build)
-print(" ".join("csrc/" + s for s in build.SOURCES if s != "ops.cpp"))  # ops.cpp needs torch
-EOF
-)"
-sources+=(tests/arm/driver.cpp)
+# shellcheck source=tests/kernels/build_flags.sh
+source tests/kernels/build_flags.sh
+sources+=(tests/kernels/driver.cpp)
 common=(-std=c++17 "${flags[@]}" -Wall -Wextra -Werror -Icsrc)
 
 # name|compiler and its flags; GCC 12's AVX-512 headers trip -Wmaybe-uninitialized on themselves.
