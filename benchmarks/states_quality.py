@@ -13,7 +13,7 @@ import and run on CPU tensors (a row that cannot run says why); torch.optim.Adam
 fp32 reference. The final loss is the mean of the last few evaluations on fixed held-out data;
 seeds change init, data order (and the teacher); every row of a seed shares them.
 
-    python benchmarks/states_quality.py                 # 2 seeds (peers 1), both tasks: ~15 min on 2 busy cores
+    python benchmarks/states_quality.py                 # 2 seeds (peers 1), both tasks: 8-15 min on 2 busy cores
     python benchmarks/states_quality.py --seeds 3       # the README's figures: 25 min at load 5-6
     python benchmarks/states_quality.py --quick         # smoke run: 30 steps, ~20 s
     python benchmarks/states_quality.py --tasks mlp --seeds 5 --json q.json --plot q.png
