@@ -19,6 +19,7 @@
 #include <iterator>
 #include <vector>
 
+#include "fuzz_input.h"
 #include "memory_overlap.h"
 
 namespace {
@@ -26,16 +27,7 @@ namespace {
 using cpu_adam::Dim;
 using cpu_adam::Extent;
 using cpu_adam::Overlap;
-
-struct Reader {
-  const uint8_t* data;
-  size_t size, at = 0;
-  uint64_t bytes(int count) {
-    uint64_t v = 0;
-    for (int k = 0; k < count; ++k, ++at) v |= uint64_t{at < size ? data[at] : uint8_t{0}} << (8 * k);
-    return v;
-  }
-};
+using kernel_tests::Reader;
 
 struct Layout {
   int64_t base, item;
