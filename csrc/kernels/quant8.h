@@ -78,34 +78,15 @@ inline float block_scale(const float* values, int64_t n) {
   return f32_from_bits(std::max(largest & kExponentMask, kSmallestNormal));
 }
 
-// value / scale as a product: dividers are the step's bottleneck (the Adam update itself needs a
-// sqrt and a division per element), multipliers are not. 1 / scale = 2^-k is a normal float for
-// scales up to 2^126; the scale 2^127 takes two factors, 2^-1 then 2^-126. Each product is
-// exact where the quotient is, and rounds (or flushes) the same exact value where it is not, so
-// the bits equal the division's. (With 2^127, a first product below 2^-126 means a quotient
-// below 2^-252: zero either way.)
-struct Reciprocal {
-  float first;
-  float second;
-};
-
-// scale: a positive, normal power of two.
-inline Reciprocal reciprocal_of(float scale) {
-  const uint32_t biased = f32_bits(scale) >> 23;  // 1 .. 254
-  if (biased < 254) return {f32_from_bits((254 - biased) << 23), 1.0f};
-  return {0.5f, f32_from_bits(kSmallestNormal)};
-}
-
 inline float encode_avg_block(const float* m, int64_t n, uint8_t* codes) {
   const float scale = block_scale(m, n);
   if (scale != scale) {
     std::memset(codes, 0, static_cast<size_t>(n));
     return scale;
   }
-  const Reciprocal r = reciprocal_of(scale);
   for (int64_t i = 0; i < n; ++i) {
     const uint32_t bits = f32_bits(m[i]);
-    const float x = f32_from_bits(bits & ~kSignBit) * r.first * r.second;
+    const float x = f32_from_bits(bits & ~kSignBit) / scale;
     codes[i] = static_cast<uint8_t>((bits & kSignBit) >> 24 | encode_magnitude<kAvgMantissa>(x));
   }
   return scale;
@@ -119,10 +100,9 @@ inline float encode_root_block(const float* u, int64_t n, uint8_t* codes) {
     std::memset(codes, 0, static_cast<size_t>(n));
     return scale;
   }
-  const Reciprocal r = reciprocal_of(scale);
   for (int64_t i = 0; i < n; ++i) {
     const uint32_t magnitude = f32_bits(u[i]) & ~kSignBit;
-    const uint32_t code = encode_magnitude<kRootMantissa>(f32_from_bits(magnitude) * r.first * r.second);
+    const uint32_t code = encode_magnitude<kRootMantissa>(f32_from_bits(magnitude) / scale);
     codes[i] = static_cast<uint8_t>(magnitude != 0 && code == 0 ? 1 : code);
   }
   return scale;
