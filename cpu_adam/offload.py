@@ -201,8 +201,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.state_dtype = state_dtype(self.state_precision)
         self.stochastic_rounding = stochastic_rounding
         # Drawn only when used: building the optimizer must not shift the user's random stream.
-        if seed is None:
-            seed = int(torch.randint(2**62, (1,)).item()) if stochastic_rounding else 0
+        if seed is None:  # 8-bit codes round stochastically too
+            random_bits = stochastic_rounding or self.state_precision == "8bit"
+            seed = int(torch.randint(2**62, (1,)).item()) if random_bits else 0
         self.seed = int(seed)
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from . import _build
+from . import _build, quant8
 from ._threads import judge_threads_once
 
 __all__ = [
@@ -119,11 +119,11 @@ def adam_step(
     ``bf16_outs[i]`` receives the updated ``params[i]`` rounded to bfloat16; it
     may be the very tensor ``grads[i]`` when that grad is bfloat16.
     ``stochastic_rounding`` applies to bfloat16 params only; the random bits of
-    element ``e`` of ``params[i]`` are a function of ``(seed, step,
-    counter_offsets[i] + e)``. Offsets (even numbers) place the tensors in one
-    counter space, so a tensor stepped in other calls or lists, or split
-    otherwise, gets the same bits; by default the list is that space, its
-    tensors back to back.
+    element ``e`` of ``params[i]`` (for its param store and, with 8-bit moments,
+    for their codes) are a function of ``(seed, step, counter_offsets[i] + e)``.
+    Offsets (even numbers) place the tensors in one counter space, so a tensor
+    stepped in other calls or lists, or split otherwise, gets the same bits; by
+    default the list is that space, its tensors back to back.
 
     Every argument is checked before anything is written: the step updates every
     tensor or raises and leaves them all as they were. ``check_only`` runs those
@@ -131,7 +131,8 @@ def adam_step(
     them all first.
 
     8-bit moments (``cpu_adam.quant8``): ``exp_avgs`` and ``exp_avg_sqs`` are uint8 codes and
-    ``state_scales[i]`` the float32 [2, ceil(numel / 256)] block scales of both, updated in place.
+    ``state_scales[i]`` the float32 [2, ceil(numel / 256)] block scales of both, updated in place;
+    the new codes are rounded stochastically (with or without ``stochastic_rounding``).
     """
     # Lists once: generators would be used up by the checks.
     params, grads, exp_avgs, exp_avg_sqs = list(params), list(grads), list(exp_avgs), list(exp_avg_sqs)
@@ -139,7 +140,7 @@ def adam_step(
     scales = list(state_scales) if state_scales is not None else []
     if params and not check_only and not torch.compiler.is_compiling():  # a system call would break a graph
         judge_threads_once()
-    if not stochastic_rounding:
+    if not (stochastic_rounding or scales):  # 8-bit codes round stochastically too
         counter_offsets = []  # no random bits drawn
     elif counter_offsets is None:
         counter_offsets = back_to_back(params)
@@ -182,11 +183,12 @@ def _bias_correction(beta: float, step: int) -> float:
 
 
 def back_to_back(tensors: Sequence[Tensor], start: int = 0) -> list[int]:
-    """Counter offsets that put ``tensors`` one after another from ``start`` (each at an even offset)."""
+    """Counter offsets that put ``tensors`` one after another from ``start``, each at a multiple of
+    256 elements from it: the offload optimizer's layout, so that CPUAdam draws the same bits."""
     offsets = []
     for t in tensors:
         offsets.append(start)
-        start += t.numel() + t.numel() % 2
+        start += -(-t.numel() // quant8.BLOCK) * quant8.BLOCK
     return offsets
 
 
@@ -394,7 +396,7 @@ def _adam_step_groups_op(
     groups, start, scales_start = [], 0, 0
     for g, size in enumerate(sizes):
         end = start + size
-        offsets = counter_offsets[start:end] if stochastic_rounding[g] else []
+        offsets = counter_offsets[start:end] if stochastic_rounding[g] or eight_bit[g] else []
         scales = state_scales[scales_start : scales_start + size] if eight_bit[g] else []
         scales_start += len(scales)
         groups.append(

@@ -175,7 +175,9 @@ class CPUAdam(torch.optim.Optimizer):
         scales: list[Tensor] = []
         self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, steps, scales)
         offsets = []
-        if group["stochastic_rounding"]:  # each param at its place in the group's counter space, grad or not
+        # Random bits (bf16 param stores, 8-bit codes): each param at its place in the group's counter
+        # space, grad or not.
+        if group["stochastic_rounding"] or group["state_precision"] == "8bit":
             places = ops.back_to_back(group["params"], ops.group_counter_base(index))
             offsets = [offset for p, offset in zip(group["params"], places) if p.grad is not None]
         beta1, beta2 = group["betas"]

@@ -6,11 +6,17 @@ the tests can use it as an independent reference, and the optimizers use it to c
 dicts between precisions.
 
 Per block of 256 elements, each moment has a float32 scale: a power of two 2^k no larger than
-the block's largest magnitude (1 for an all-zero block, NaN for a block holding a non-finite
-value, which then decodes to NaN). x = |value| / scale lies in [0, 2) and is exact. A code holds
-x as a tiny float: a 4-bit exponent field e (bias 15) and an M-bit mantissa f,
-x = 2^(e-15) (1 + f/2^M) for e > 0, f 2^-(14+M) for e = 0; rounding to nearest, ties to even,
-saturating at the largest code.
+the block's largest magnitude, at least 2^-112 (1 for an all-zero block, NaN for a block holding
+a non-finite value, which then decodes to NaN). x = |value| / scale lies in [0, 2) and is exact.
+A code holds x as a tiny float: a 4-bit exponent field e (bias 15) and an M-bit mantissa f,
+x = 2^(e-15) (1 + f/2^M) for e > 0, f 2^-(14+M) for e = 0, saturating at the largest code.
+
+The optimizer step rounds stochastically: up to the next code with probability equal to the
+fraction of the code step below x, counted in 2^-16 steps of 16 random bits per value, so that
+the moments follow their small, steady changes on average (round-to-nearest would freeze a slow
+second moment: with beta2 = 0.999 sqrt(v) moves about 0.05% a step, half a code step is 1.6-3.1%).
+``encode`` does the same given those bits, and rounds to nearest (ties to even) without them, as
+the state dict conversions do.
 
 - ``exp_avg``: sign in bit 7, M = 3 (largest x 1.875).
 - ``exp_avg_sq`` is stored as its root u = sqrt(v), unsigned, M = 4 (largest x 1.9375): the
@@ -30,7 +36,8 @@ __all__ = ["BLOCK", "blocks", "decode", "dequantize_moments", "encode", "quantiz
 BLOCK = 256
 _AVG_MANTISSA = 3
 _ROOT_MANTISSA = 4
-_SMALLEST_NORMAL = 2.0**-126
+_SMALLEST_SCALE = 2.0**-112  # every float32 the step stores (none below 2^-126) is >= 2^-14 of it
+_RANDOM_STEPS = 1 << 16
 
 
 def blocks(numel: int) -> int:
@@ -56,7 +63,7 @@ def _blocked(values: Tensor) -> Tensor:
 def _scales(blocked: Tensor) -> Tensor:
     largest = blocked.abs().amax(dim=1)
     _, exponent = torch.frexp(largest)  # largest = mantissa * 2^exponent, mantissa in [0.5, 1)
-    scale = torch.pow(2.0, (exponent - 1).to(torch.float64)).clamp(min=_SMALLEST_NORMAL)
+    scale = torch.pow(2.0, (exponent - 1).to(torch.float64)).clamp(min=_SMALLEST_SCALE)
     scale = torch.where(largest == 0, torch.ones_like(scale), scale)
     return torch.where(blocked.isfinite().all(dim=1), scale, torch.full_like(scale, math.nan))
 
@@ -71,16 +78,29 @@ def _nearest(x: Tensor, table: Tensor) -> Tensor:
     return torch.where(take_hi, hi, lo)
 
 
-def encode(values: Tensor, *, root: bool) -> tuple[Tensor, Tensor]:
+def _stochastic(x: Tensor, table: Tensor, random16: Tensor) -> Tensor:
+    """Index of the entry of ``table`` at or below x, plus one where ``random16`` (uniform in
+    [0, 2^16)) plus the fraction of the step to the next entry, in 2^-16 units, reaches 2^16."""
+    top = table.numel() - 1
+    lo = (torch.searchsorted(table, x.contiguous(), right=True) - 1).clamp(0, top)
+    hi = (lo + 1).clamp(max=top)
+    step = torch.where(hi > lo, table[hi] - table[lo], 1.0)  # at the top x saturates
+    fraction = torch.floor((x - table[lo]) / step * _RANDOM_STEPS)  # exact: steps are powers of two
+    return torch.where(random16 + fraction >= _RANDOM_STEPS, hi, lo)
+
+
+def encode(values: Tensor, *, root: bool, random16: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Codes (uint8, flat, padded to whole blocks) and float32 scales of ``values``.
 
     ``root``: the values are roots sqrt(v) (non-negative, unsigned map), else exp_avg.
+    ``random16``: 16 random bits per value (integers in [0, 2^16), shaped like ``values``) to
+    round stochastically as the optimizer step does; without them, to nearest.
     """
     blocked = _blocked(values)
     scale = _scales(blocked)
     table = _magnitudes(_ROOT_MANTISSA if root else _AVG_MANTISSA)
     x = (blocked.abs() / scale[:, None]).nan_to_num(nan=0.0)
-    codes = _nearest(x, table)
+    codes = _nearest(x, table) if random16 is None else _stochastic(x, table, _blocked(random16).long())
     if root:
         codes = torch.where((blocked != 0) & (codes == 0), torch.ones_like(codes), codes)
     else:

@@ -308,11 +308,12 @@ void run_all(std::vector<Tuple>& tuples, const Hyper& h, int64_t seed, int64_t s
       s.bf16_out = tu.out.defined() ? static_cast<uint16_t*>(tu.out.data_ptr()) + begin : nullptr;
       s.n = stop - begin;
       s.first_counter = static_cast<uint32_t>(counter);
-      s.rng_key = h.stochastic_rounding ? rng_key(seed, step, high) : 0;
+      const bool random_bits = h.stochastic_rounding || q8;  // 8-bit codes round stochastically
+      s.rng_key = random_bits ? rng_key(seed, step, high) : 0;
       s.exp_avg_scale = nullptr;
       s.exp_avg_sq_scale = nullptr;
       s.counter_wrap = std::min(s.n, wrap - begin);
-      s.rng_key_after_wrap = h.stochastic_rounding ? rng_key(seed, step, high + 1) : 0;
+      s.rng_key_after_wrap = random_bits ? rng_key(seed, step, high + 1) : 0;
       if (q8) {
         float* scales = tu.scales.data_ptr<float>();
         s.exp_avg_scale = scales + begin / kQ8Block;

@@ -47,13 +47,14 @@ CUDA = pytest.param(
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 def test_the_step_is_cpu_adams_8bit_step_bit_for_bit(device: str):
     # The offload step over fp32 masters and bf16 grads is CPUAdam's 8-bit step over fp32 params
-    # given the same grads (bf16 values held in fp32): same masters, codes and scales, every step.
+    # given the same grads (bf16 values held in fp32) and seed: same masters, codes and scales, every
+    # step (both place each param's random bits at its offset in the one-process layout).
     model = make_model(0, device=device)
     params = list(model.parameters())
     tap = GradTap(params)
-    opt = OffloadOptimizer(params, **HYPER, bucket_size=BUCKET, **EIGHT_BIT)
+    opt = OffloadOptimizer(params, **HYPER, bucket_size=BUCKET, **EIGHT_BIT, seed=5)
     masters = [p.detach().float().cpu() for p in params]
-    twin = CPUAdam(masters, **HYPER, state_precision="8bit")
+    twin = CPUAdam(masters, **HYPER, state_precision="8bit", seed=5)  # the same random bits for the codes
     for tokens in batches(5, device=device):
         lm_loss(model, tokens).backward()
         grads = tap.take()

@@ -1,5 +1,5 @@
-"""8-bit moments in the kernel: its codes against cpu_adam.quant8 and a float64 reference, every
-ISA against scalar, special values, and the op's refusals."""
+"""8-bit moments in the kernel: its codes against cpu_adam.quant8 (given the kernel's random bits)
+and a float64 reference, every ISA against scalar, special values, and the op's refusals."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 from conftest import DTYPES, flushed, raw, vector_isas
+from random_bits import code_bits
 from torch import Tensor
 
 from cpu_adam import ops, quant8
@@ -90,21 +91,23 @@ def test_codes_round_trip_exactly(isa: str) -> None:
 
 def test_kernel_encodes_like_quant8(isa: str) -> None:
     """From zero moments with beta1 = beta2 = 0 the new moments are g and sqrt(g * g) in float32,
-    exactly: the kernel's codes and scales must be quant8's, bit for bit, special values included."""
+    exactly: the kernel's codes and scales must be quant8's rounded with the same random bits, bit
+    for bit, special values included."""
     g = torch.Generator().manual_seed(1)
     n = 256 * 40
     magnitudes = torch.pow(2.0, torch.randint(-60, 60, (n // 256, 1), generator=g).float())
     grad = (torch.randn(n // 256, 256, generator=g) * magnitudes).reshape(-1)
-    ties = torch.tensor([1.0625, 1.1875, 1.9375, 1.96875, 2.0**-14 * 7.5, 2.0**-14 * 0.5, 2.0**-18])
+    codes_and_between = torch.tensor([1.0625, 1.1875, 1.9375, 1.96875, 2.0**-14 * 7.5, 2.0**-14 * 0.5, 2.0**-18])
     grad[2560:2816] = torch.rand(256, generator=g) * 1.99  # a block with scale 1
-    grad[2560:2567] = ties  # halfway between codes, the saturation edge, the evenly spaced region
+    grad[2560:2567] = codes_and_between  # the saturation edge, the evenly spaced region
     grad[256:512] = 0.0
     grad[600] = math.nan
     grad[900] = math.inf
     grad[1100] = 1e-45 * 2**20  # tiny next to its block
     grad[1400:1656] = 1e-30  # g * g underflows
-    # The largest scales, whose reciprocals the encode multiplies by: 2^127 (2^-127 is no normal
-    # float: two factors) and 2^126, each block with small values next to its largest.
+    grad[1792:2048] = torch.rand(256, generator=g) * 2.0**-118  # below the smallest scale, 2^-112
+    grad[1800] = 0.0
+    # The largest scales, 2^127 and 2^126, each block with small values next to its largest.
     for block, largest in ((12, 3.0e38), (13, 1.0e38)):
         values = torch.randn(256, generator=g) * torch.pow(2.0, torch.randint(90, 126, (256,), generator=g).float())
         values[7], values[99], values[150] = largest, -0.75 * largest, 2.0**-100
@@ -112,47 +115,59 @@ def test_kernel_encodes_like_quant8(isa: str) -> None:
     zeros = torch.zeros(n, dtype=torch.uint8)
     tensors = [torch.zeros(n), grad, zeros, zeros, torch.ones(2, quant8.blocks(n))]
     _, m, u, scales = q8_step(isa, tensors, lr=0.0, beta1=0.0, beta2=0.0, bias_correction=False)
-    m_codes, m_scale = quant8.encode(grad, root=False)
-    u_codes, u_scale = quant8.encode(flushed(grad * grad).sqrt(), root=True)
+    m_random, u_random = code_bits(seed=0, step=5, counters=torch.arange(n))
+    m_codes, m_scale = quant8.encode(grad, root=False, random16=m_random)
+    u_codes, u_scale = quant8.encode(flushed(grad * grad).sqrt(), root=True, random16=u_random)
     assert torch.equal(m, m_codes[:n]) and torch.equal(u, u_codes[:n])
     assert torch.equal(raw(scales), raw(torch.stack([m_scale, u_scale])))
     assert scales[:, 2:4].isnan().all() and (scales[:, 1] == 1).all()  # nan, inf blocks; the zero block
     assert (u[1400:1656] == 0).all()  # underflowed: v is 0
-    assert scales[0, 12] == 2.0**127 and scales[0, 13] == 2.0**126
+    assert scales[0, 12] == 2.0**127 and scales[0, 13] == 2.0**126 and scales[0, 7] == 2.0**-112
     assert (m[256 * 12 : 256 * 14] & 0x7F).unique().numel() > 20  # codes across the range
+    nearest, _ = quant8.encode(grad, root=False)
+    assert (m != nearest[:n]).float().mean() > 0.2  # stochastic: many codes are not the nearest
 
 
 @pytest.mark.parametrize("step", [1, 50])
 def test_scalar_follows_float64_reference(step: int) -> None:
-    """Decode, Adam in float64, encode: the kernel's float32 Adam differs from it by at most
-    delta = 2^-21 (2 |m| + |g|) for m and 2^-21 u for the root (a few float32 roundings, each
-    2^-24 relative to its operands), so a kernel code may differ from the reference's only where
-    the reference value lies within delta of a rounding boundary: then the kernel's decoded value
-    is at most 2 delta farther from the reference than the reference's own code is."""
+    """Decode, Adam in float64, encode with the kernel's random bits: the kernel's float32 Adam
+    differs from it by at most delta = 2^-21 (2 |m| + |g|) for m and 2^-21 u for the root (a few
+    float32 roundings, each 2^-24 relative to its operands). With the same random bits, a kernel
+    code may differ from the reference's only by one step, and only where the reference value lies
+    within delta of the point between those two codes where that element's random bits switch from
+    one to the other."""
     n = 70001
     p, grad, m_codes, u_codes, scales = q8_tuple(n, "f32", "f32", seed=step)
-    p1, m1, u1, scales1 = q8_step("scalar", [p, grad, m_codes, u_codes, scales], step=step)
+    p1, m1, u1, scales1 = q8_step("scalar", [p, grad, m_codes, u_codes, scales], step=step, seed=9)
     m0, v0 = quant8.dequantize_moments(m_codes, u_codes, scales)
     ref_p, ref_m, ref_v = adam_reference(p, grad, m0, v0, step=step, **HYPER)
     ref_u = ref_v.sqrt()
-    m_ref_codes, m_ref_scale = quant8.encode(ref_m, root=False)
-    u_ref_codes, u_ref_scale = quant8.encode(ref_u, root=True)
+    m_random, u_random = code_bits(seed=9, step=step, counters=torch.arange(n))
+    m_ref_codes, m_ref_scale = quant8.encode(ref_m, root=False, random16=m_random)
+    u_ref_codes, u_ref_scale = quant8.encode(ref_u, root=True, random16=u_random)
     torch.testing.assert_close(p1.double(), ref_p, rtol=1e-6, atol=1e-9)
     assert torch.equal(scales1, torch.stack([m_ref_scale, u_ref_scale]))  # no block max near a power of two here
 
-    def check(codes: Tensor, ref_codes: Tensor, scale: Tensor, ref: Tensor, delta: Tensor, root: bool) -> int:
+    def check(codes: Tensor, ref_codes: Tensor, scale: Tensor, ref: Tensor, random16: Tensor, delta: Tensor) -> int:
+        root = ref_codes is u_ref_codes
+        differ = (codes != ref_codes[:n]).nonzero().reshape(-1)
+        ours, theirs = codes[differ].to(torch.int64), ref_codes[differ].to(torch.int64)
+        assert ((ours - theirs).abs() == 1).all()  # neighbours, same sign
         padded = torch.zeros(quant8.blocks(n) * 256, dtype=torch.uint8)
-        padded[:n] = codes
-        ours = quant8.decode(padded, scale, root=root)[:n]
-        theirs = quant8.decode(ref_codes, scale, root=root)[:n]
-        differ = codes != ref_codes[:n]
-        assert ((ours - ref).abs() <= (theirs - ref).abs() + 2 * delta).all()
-        return int(differ.sum())
+        padded[:n] = torch.minimum(codes, ref_codes[:n])
+        low = quant8.decode(padded, scale, root=root)[:n][differ]
+        padded[:n] = torch.maximum(codes, ref_codes[:n])
+        high = quant8.decode(padded, scale, root=root)[:n][differ]
+        # The point from which these bits round up: x >= low + (1 - r / 2^16) (high - low), in
+        # magnitudes (for m the sign is shared).
+        switch = low.abs() + (1 - random16[differ] / 2**16) * (high.abs() - low.abs())
+        assert ((ref[differ].abs() - switch).abs() <= delta[differ]).all()
+        return int(differ.numel())
 
     m_delta = 2.0**-21 * (2 * m0.double().abs() + grad.double().abs())
-    m_differ = check(m1, m_ref_codes, scales1[0], ref_m, m_delta, root=False)
-    u_differ = check(u1, u_ref_codes, scales1[1], ref_u, 2.0**-21 * ref_u, root=True)
-    assert m_differ + u_differ <= n // 1000  # boundaries are rare: the bound is not what passes the test
+    m_differ = check(m1, m_ref_codes, scales1[0], ref_m, m_random, m_delta)
+    u_differ = check(u1, u_ref_codes, scales1[1], ref_u, u_random, 2.0**-21 * ref_u)
+    assert m_differ + u_differ <= n // 1000  # switch points are rare: the bound is not what passes the test
 
 
 def test_special_values_stay_in_their_blocks() -> None:
@@ -228,7 +243,7 @@ def test_same_step_as_float_states_then_encoded(isa: str, offset: int) -> None:
     """The 8-bit step is the float32-state step on the decoded moments, followed by the encode:
     params (stochastic rounding included, with the 32-bit counter wrapping inside a block, where
     the float kernel splits its segment) bit for bit, and codes equal to quant8's of the new m and
-    sqrt(v)."""
+    sqrt(v), rounded with the kernel's random bits (their key changes where the counter wraps)."""
     n = 4097
     p, grad, m_codes, u_codes, scales = q8_tuple(n, "bf16", "f32", seed=11)
     kwargs = {"stochastic_rounding": True, "seed": 3, "counter_offsets": [offset], "step": 4}
@@ -238,7 +253,8 @@ def test_same_step_as_float_states_then_encoded(isa: str, offset: int) -> None:
     with ops.force_isa(isa):
         ops.adam_step([pf], [grad], [m], [v], **{**HYPER, **kwargs})
     assert torch.equal(raw(p8), raw(pf))
-    m_expected, m_scale = quant8.encode(m, root=False)
-    u_expected, u_scale = quant8.encode(v.sqrt(), root=True)
+    m_random, u_random = code_bits(seed=3, step=4, counters=torch.arange(n) + offset)
+    m_expected, m_scale = quant8.encode(m, root=False, random16=m_random)
+    u_expected, u_scale = quant8.encode(v.sqrt(), root=True, random16=u_random)
     assert torch.equal(m8, m_expected[:n]) and torch.equal(u8, u_expected[:n])
     assert torch.equal(raw(scales8), raw(torch.stack([m_scale, u_scale])))

@@ -17,6 +17,7 @@
 #include "adam_kernel.h"
 #include "probe_body.h"
 #include "quant8.h"
+#include "random_bits.h"
 
 namespace cpu_adam {
 namespace {
@@ -26,9 +27,6 @@ namespace {
 // 64-bit mix of (seed, step, tensor), differs per step, so neighbouring
 // counters of one step and one counter over steps both get unrelated bits.
 // Vector kernels hash pairs, so a segment's first counter must be even.
-constexpr uint32_t kMix1 = 0x7FEB352Du;
-constexpr uint32_t kMix2 = 0x846CA68Bu;
-
 constexpr uint32_t kBf16QuietBit = 0x40u;
 constexpr uint32_t kF32AbsMask = 0x7FFFFFFFu;
 constexpr uint32_t kF32Inf = 0x7F800000u;
@@ -63,16 +61,8 @@ struct ScalarOps {
     if ((u & kF32AbsMask) > kF32Inf) return (u >> 16) | kBf16QuietBit;
     return (u + random16) >> 16;
   }
-  static uint32_t hash(uint32_t x) {
-    x ^= x >> 16;
-    x *= kMix1;
-    x ^= x >> 15;
-    x *= kMix2;
-    x ^= x >> 16;
-    return x;
-  }
   static U random16(uint32_t counter, uint32_t key) {
-    return (hash((counter >> 1) + key) >> (16 * (counter & 1))) & 0xFFFFu;
+    return (lowbias32((counter >> 1) + key) >> (16 * (counter & 1))) & 0xFFFFu;
   }
 };
 
@@ -186,7 +176,7 @@ void run_segment(const Segment& segment, const Hyper& hyper) {
 
 // 8-bit states, one block at a time: decode the codes into float32 buffers on the
 // stack, run the Adam loop above on them (the param update sees the new, unrounded
-// m and v), then encode the block with its new scales.
+// m and v), then encode the block with its new scales, rounding stochastically.
 template <class V, class P, class G>
 void run_q8_segment(const Segment& segment, const Hyper& h) {
   const Segment s = segment;
@@ -220,8 +210,8 @@ void run_q8_segment(const Segment& segment, const Hyper& h) {
       adam(start, 0, wrap, s.rng_key);
       adam(start, wrap, n, s.rng_key_after_wrap);
     }
-    s.exp_avg_scale[b] = encode_avg_block(m, n, m_codes + start);
-    s.exp_avg_sq_scale[b] = encode_root_block(u, n, u_codes + start);
+    encode_block({m, u, n, m_codes + start, u_codes + start}, s.first_counter + static_cast<uint32_t>(start), s.rng_key,
+                 wrap, s.rng_key_after_wrap, &s.exp_avg_scale[b], &s.exp_avg_sq_scale[b]);
   }
 }
 
