@@ -4,7 +4,7 @@ Importing the package compiles nothing: the kernels are loaded, or compiled
 once, on the first optimizer step.
 """
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 from .checkpoint import load_checkpoint, save_checkpoint
 from .offload import OffloadOptimizer

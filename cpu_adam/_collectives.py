@@ -95,8 +95,8 @@ class ShardComm:
     def all_reduce_max(self, t: Tensor) -> None:
         self._call("all-reduce of which params got grads", dist.all_reduce, t, op=dist.ReduceOp.MAX)
 
-    def broadcast_from_rank0(self, t: Tensor) -> None:
-        self._call("broadcast of rank 0's weights", dist.broadcast, t, src=dist.get_global_rank(self.group, 0))
+    def broadcast_from_rank0(self, t: Tensor, what: str = "rank 0's weights") -> None:
+        self._call(f"broadcast of {what}", dist.broadcast, t, src=dist.get_global_rank(self.group, 0))
 
     def check_same(self, what: str, value: Any, fix: str) -> None:
         """Raises unless every rank passes an equal ``value`` (compared by a hash, in one all-reduce)."""

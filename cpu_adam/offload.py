@@ -232,6 +232,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 (layout, bucket_size, str(master_weights_dtype), self.state_precision, stochastic_rounding),
                 "build the optimizer on the same model, param groups and options on every rank",
             )
+            # One random stream, rank 0's, whatever the world size: a resharded resume draws the same bits.
+            seed_of_rank0 = torch.tensor([self.seed], dtype=torch.int64, device=self._comm.device)
+            self._comm.broadcast_from_rank0(seed_of_rank0, "rank 0's seed")
+            self.seed = int(seed_of_rank0.item())
             if device is None:  # ranks initialised with other seeds would train a patchwork
                 for ps in trainable:
                     for p in ps:

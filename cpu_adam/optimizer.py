@@ -50,17 +50,18 @@ class CPUAdam(torch.optim.Optimizer):
             default), "bf16" (half the bytes), or "8bit": uint8 codes shaped like the
             param plus ``state_scales``, float32 [2, ceil(numel / 256)], a scale per
             moment per block of 256 elements (``cpu_adam.quant8``; 2.03 bytes per param
-            for both moments). Every tensor gets 8-bit states, small ones (norms, biases)
-            included: their moments are a negligible share of the bytes either way, and
-            one block per small tensor keeps the map's range per tensor, where a bf16
-            fallback would be a second code path for no measured gain.
+            for both moments), rounded stochastically every step. Every tensor gets
+            8-bit states, small ones (norms, biases) included: their moments are a
+            negligible share of the bytes either way, and one block per small tensor
+            keeps the map's range per tensor, where a bf16 fallback would be a second
+            code path for no measured gain.
         fp32_optimizer_states: DeepSpeed's shorthand, True for "fp32" and False for
             "bf16"; passing it with a ``state_precision`` it contradicts raises.
         stochastic_rounding: round bfloat16 param stores stochastically, so that
             updates below half a bfloat16 ulp still move weights on average.
             float32 params ignore it.
-        seed: the stochastic rounding stream; by default drawn from torch's
-            generator at construction. Saved in the state dict.
+        seed: the random bits of stochastic rounding and of 8-bit codes; by default
+            drawn from torch's generator at construction. Saved in the state dict.
     """
 
     def __init__(

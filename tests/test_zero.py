@@ -165,10 +165,11 @@ def _mlp_scaled_loss(model: nn.Module, tokens: torch.Tensor, mlp: float | None) 
 
 
 def _robustness_rank(rank: int, world_size: int, out: Path) -> None:
-    # Ranks built from different seeds train rank 0's weights.
+    # Ranks built from different seeds train rank 0's weights, and draw rank 0's random bits.
     model = make_model(seed=rank)
-    _zero_opt(model)
+    opt = _zero_opt(model, state_precision="8bit", seed=100 + rank)
     torch.save([p.detach().clone() for p in model.parameters()], out / f"init{rank}.pt")
+    torch.save(opt.seed, out / f"seed{rank}.pt")
 
     # The same, handed over from fp32 CPU models: rank 0's fp32 values become every rank's masters.
     model = make_model(seed=rank, dtype=torch.float32)
@@ -412,6 +413,7 @@ def test_ranks_built_from_other_seeds_train_rank_0s_weights(robustness_run: Path
     rank0 = [p.detach() for p in make_model(seed=0).parameters()]
     for r in range(2):
         assert all(torch.equal(a, b) for a, b in zip(torch.load(robustness_run / f"init{r}.pt"), rank0))
+        assert torch.load(robustness_run / f"seed{r}.pt") == 100  # rank 0's stream of random bits
 
 
 def test_ranks_whose_graphs_differ_reduce_in_one_order(robustness_run: Path):
