@@ -89,6 +89,26 @@ def test_codes_round_trip_exactly(isa: str) -> None:
     assert torch.equal(m2, m) and torch.equal(u2, u) and torch.equal(scales2, scales)
 
 
+def test_scales_below_the_smallest_decode_as_saved(isa: str) -> None:
+    """Version 0.2 saved scales down to 2^-126; such blocks decode through the general path and
+    are encoded again at 2^-112, as quant8 encodes the decoded values with the same random bits."""
+    g = torch.Generator().manual_seed(4)
+    n = 512
+    m = torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8)
+    m = (m & 0x80) | (m & 0x7F).clamp(min=8)  # normal codes only: the blocks a fast path would take
+    u = torch.randint(1, 256, (n,), generator=g, dtype=torch.uint8)
+    scales = torch.tensor([[2.0**-120, 2.0**-126], [1.0, 1.0]])
+    tensors = [torch.zeros(n), torch.zeros(n), m, u, scales]
+    still = {"lr": 0.0, "beta1": 1 - 1e-12, "beta2": 1 - 1e-12, "bias_correction": False, "seed": 2}
+    _, m2, u2, scales2 = q8_step(isa, tensors, **still)
+    saved = flushed(quant8.decode(m, scales[0], root=False).float()) + 0.0  # flushed -0 + 0 is +0
+    m_random, _ = code_bits(seed=2, step=5, counters=torch.arange(n))
+    expected, expected_scales = quant8.encode(saved, root=False, random16=m_random)
+    assert torch.equal(m2, expected) and torch.equal(scales2[0], expected_scales)
+    assert (scales2[0] == 2.0**-112).all() and torch.equal(u2, u)
+    assert (m2 != 0).sum() > n // 4  # values of the 2^-120 block survive, now at the smallest scale
+
+
 def test_kernel_encodes_like_quant8(isa: str) -> None:
     """From zero moments with beta1 = beta2 = 0 the new moments are g and sqrt(g * g) in float32,
     exactly: the kernel's codes and scales must be quant8's rounded with the same random bits, bit
