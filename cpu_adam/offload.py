@@ -200,11 +200,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.master_weights_dtype = master_weights_dtype
         self.state_dtype = state_dtype(self.state_precision)
         self.stochastic_rounding = stochastic_rounding
-        # Drawn only when used: building the optimizer must not shift the user's random stream.
-        if seed is None:  # 8-bit codes round stochastically too
-            random_bits = stochastic_rounding or self.state_precision == "8bit"
-            seed = int(torch.randint(2**62, (1,)).item()) if random_bits else 0
-        self.seed = int(seed)
+        # Not drawn from torch's generator: building the optimizer must not shift the user's random
+        # stream, and replicas seeded per rank must still round alike.
+        self.seed = 0 if seed is None else seed
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
         # Seconds the last step spent waiting for grads to come down, on the norm, on the kernel.
@@ -232,10 +230,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 (layout, bucket_size, str(master_weights_dtype), self.state_precision, stochastic_rounding),
                 "build the optimizer on the same model, param groups and options on every rank",
             )
-            # One random stream, rank 0's, whatever the world size: a resharded resume draws the same bits.
-            seed_of_rank0 = torch.tensor([self.seed], dtype=torch.int64, device=self._comm.device)
-            self._comm.broadcast_from_rank0(seed_of_rank0, "rank 0's seed")
-            self.seed = int(seed_of_rank0.item())
+            self.seed = self._seed_of_rank0(self.seed)
             if device is None:  # ranks initialised with other seeds would train a patchwork
                 for ps in trainable:
                     for p in ps:
@@ -754,12 +749,21 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 self._dev.synchronize()  # before the host buffer receives grads again
         for options, saved in zip(self.param_groups, saved_groups):
             options.update({k: v for k, v in saved.items() if k != "params"})
-        self.seed = int(state_dict["seed"])
+        self.seed = self._seed_of_rank0(int(state_dict["seed"]))  # shards of 0.2 may hold one per rank
         self.skipped_steps = int(state_dict["skipped_steps"])
         self.max_grad_norm = max_grad_norm
         self._grads.reset()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+    def _seed_of_rank0(self, seed: int) -> int:
+        """Rank 0's seed on every rank: one stream of random bits whatever the world size, so a
+        resharded resume draws the same bits."""
+        if self._comm is None:
+            return seed
+        t = torch.tensor([seed], dtype=torch.int64, device=self._comm.device)
+        self._comm.broadcast_from_rank0(t, "rank 0's seed")
+        return int(t.item())
 
     def _loaded_tensors(
         self, g: int, group: GroupBuffers, saved: dict[str, Any], full: bool, legacy: bool

@@ -60,8 +60,9 @@ class CPUAdam(torch.optim.Optimizer):
         stochastic_rounding: round bfloat16 param stores stochastically, so that
             updates below half a bfloat16 ulp still move weights on average.
             float32 params ignore it.
-        seed: the random bits of stochastic rounding and of 8-bit codes; by default
-            drawn from torch's generator at construction. Saved in the state dict.
+        seed: the random bits of stochastic rounding and of 8-bit codes (default 0:
+            not drawn from torch's generator, so that data-parallel replicas seeded
+            per rank still step alike). Saved in the state dict.
     """
 
     def __init__(
@@ -104,8 +105,8 @@ class CPUAdam(torch.optim.Optimizer):
             weight_decay = 1e-2 if adamw_mode else 0.0
         ops.check_hyper_parameters("CPUAdam", lr, betas, eps, weight_decay)
         state_precision = resolved_precision("CPUAdam", state_precision, fp32_optimizer_states)
-        if seed is None:
-            seed = int(torch.randint(0, 2**62, (1,)).item())
+        if seed is None:  # not drawn: replicas seeded per rank (DDP) must still round alike
+            seed = 0
         defaults = {
             "lr": lr,
             "betas": betas,

@@ -1,13 +1,14 @@
 """8-bit Adam moments: the code maps, written once in plain torch.
 
-The kernel (``csrc/kernels/quant8.h``) computes the same codes with integer operations on
-float32 bits; this module finds them as the nearest entry of a decode table in float64, so
-the tests can use it as an independent reference, and the optimizers use it to convert state
-dicts between precisions.
+The kernel (``csrc/kernels/quant8.h``) computes the codes with integer operations on float32
+bits; this module finds them in a decode table in float64 (given the kernel's random bits, the
+same codes), so the tests can use it as an independent reference, and the optimizers use it to
+convert state dicts between precisions (rounding to nearest).
 
-Per block of 256 elements, each moment has a float32 scale: a power of two 2^k no larger than
-the block's largest magnitude, at least 2^-112 (1 for an all-zero block, NaN for a block holding
-a non-finite value, which then decodes to NaN). x = |value| / scale lies in [0, 2) and is exact.
+Per block of 256 elements, each moment has a float32 scale: the power of two 2^k at or below the
+block's largest magnitude, or the next one where the largest lies above the largest code (so that
+no value saturates), at least 2^-112 (1 for an all-zero block, NaN for a block holding a
+non-finite value, which then decodes to NaN). x = |value| / scale lies in [0, 2) and is exact.
 A code holds x as a tiny float: a 4-bit exponent field e (bias 15) and an M-bit mantissa f,
 x = 2^(e-15) (1 + f/2^M) for e > 0, f 2^-(14+M) for e = 0, saturating at the largest code.
 
@@ -36,7 +37,7 @@ __all__ = ["BLOCK", "blocks", "decode", "dequantize_moments", "encode", "quantiz
 BLOCK = 256
 _AVG_MANTISSA = 3
 _ROOT_MANTISSA = 4
-_SMALLEST_SCALE = 2.0**-112  # every float32 the step stores (none below 2^-126) is >= 2^-14 of it
+_SMALLEST_SCALE = 2.0**-112  # its normal codes hold every float32 the step stores (none below 2^-126)
 _RANDOM_STEPS = 1 << 16
 
 
@@ -60,10 +61,13 @@ def _blocked(values: Tensor) -> Tensor:
     return padded.view(-1, BLOCK)
 
 
-def _scales(blocked: Tensor) -> Tensor:
+def _scales(blocked: Tensor, mantissa: int) -> Tensor:
     largest = blocked.abs().amax(dim=1)
     _, exponent = torch.frexp(largest)  # largest = mantissa * 2^exponent, mantissa in [0.5, 1)
-    scale = torch.pow(2.0, (exponent - 1).to(torch.float64)).clamp(min=_SMALLEST_SCALE)
+    exponent = exponent - 1  # largest = x * 2^exponent, x in [1, 2)
+    above_the_largest_code = largest / torch.pow(2.0, exponent.to(torch.float64)) > 2 - 2.0**-mantissa
+    exponent = torch.where(above_the_largest_code & (exponent < 127), exponent + 1, exponent)
+    scale = torch.pow(2.0, exponent.to(torch.float64)).clamp(min=_SMALLEST_SCALE)
     scale = torch.where(largest == 0, torch.ones_like(scale), scale)
     return torch.where(blocked.isfinite().all(dim=1), scale, torch.full_like(scale, math.nan))
 
@@ -96,9 +100,10 @@ def encode(values: Tensor, *, root: bool, random16: Tensor | None = None) -> tup
     ``random16``: 16 random bits per value (integers in [0, 2^16), shaped like ``values``) to
     round stochastically as the optimizer step does; without them, to nearest.
     """
+    mantissa = _ROOT_MANTISSA if root else _AVG_MANTISSA
     blocked = _blocked(values)
-    scale = _scales(blocked)
-    table = _magnitudes(_ROOT_MANTISSA if root else _AVG_MANTISSA)
+    scale = _scales(blocked, mantissa)
+    table = _magnitudes(mantissa)
     x = (blocked.abs() / scale[:, None]).nan_to_num(nan=0.0)
     codes = _nearest(x, table) if random16 is None else _stochastic(x, table, _blocked(random16).long())
     if root:

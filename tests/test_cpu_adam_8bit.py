@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from cpu_adam import CPUAdam, quant8
+from cpu_adam import CPUAdam, OffloadOptimizer, ops, quant8
 
 
 def train(optimizer_for, steps: int = 30) -> tuple[torch.nn.Module, torch.optim.Optimizer, list[Tensor]]:
@@ -17,7 +17,7 @@ def train(optimizer_for, steps: int = 30) -> tuple[torch.nn.Module, torch.optim.
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Tanh(), torch.nn.Linear(128, 8))
     start = [p.detach().clone() for p in model.parameters()]
     x, y = torch.randn(256, 64), torch.randn(256, 8)
-    optimizer = optimizer_for(model.parameters())  # CPUAdam draws its seed: after the data
+    optimizer = optimizer_for(model.parameters())
     for _ in range(steps):
         optimizer.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
@@ -67,6 +67,20 @@ def test_8bit_moments_follow_slow_changes_on_average() -> None:
     assert abs(m_ratio - 1) < 0.03, m_ratio
 
 
+@pytest.mark.parametrize("optimizer_class", [CPUAdam, OffloadOptimizer])
+def test_the_default_seed_is_not_drawn(optimizer_class: type) -> None:
+    """Data-parallel replicas seeded per rank must round their codes alike, and building an
+    optimizer must not shift the user's random stream."""
+    for rank in (0, 1):
+        torch.manual_seed(rank)
+        before = torch.random.get_rng_state()
+        params = [torch.nn.Parameter(torch.zeros(300, dtype=torch.bfloat16))]
+        optimizer = optimizer_class(params, state_precision="8bit")
+        assert torch.equal(torch.random.get_rng_state(), before)
+        seed = optimizer.seed if isinstance(optimizer, OffloadOptimizer) else optimizer.param_groups[0]["seed"]
+        assert seed == 0
+
+
 def test_precision_arguments() -> None:
     p = [torch.nn.Parameter(torch.zeros(3))]
     assert CPUAdam(p, fp32_optimizer_states=False).defaults["state_precision"] == "bf16"
@@ -97,12 +111,15 @@ def test_state_dict_round_trips_and_converts() -> None:
             assert set(a) == {"exp_avg", "exp_avg_sq"}
             assert torch.equal(a["exp_avg"], m.to(dtype)) and torch.equal(a["exp_avg_sq"], v.to(dtype))
         assert wide.param_groups[0]["state_precision"] == precision
-        # and back: quantized again, to the very same codes (a code's value encodes to itself)
+        # and back: quantized again, to the very same values (a code's value encodes to itself; a
+        # block whose largest value rounded down to the largest code may now take the lower scale)
         back = CPUAdam(model.parameters(), state_precision="8bit")
         back.load_state_dict(wide.state_dict())
         if precision == "fp32":
             for a, b in zip(moments_of(back), moments_of(eight)):
-                assert all(torch.equal(a[k], b[k]) for k in b)
+                ours = quant8.dequantize_moments(a["exp_avg"], a["exp_avg_sq"], a["state_scales"])
+                theirs = quant8.dequantize_moments(b["exp_avg"], b["exp_avg_sq"], b["state_scales"])
+                assert all(torch.equal(x, y) for x, y in zip(ours, theirs))
     # torch AdamW into 8-bit: quantized, and steps on
     _, adamw, _ = train(lambda ps: torch.optim.AdamW(ps), steps=3)
     loaded = CPUAdam(model.parameters(), state_precision="8bit")
@@ -113,12 +130,16 @@ def test_state_dict_round_trips_and_converts() -> None:
     assert loaded.param_groups[0]["state_precision"] == "8bit"
 
 
-def test_compiled_8bit_step_is_bitwise_the_eager_step() -> None:
+@pytest.mark.parametrize("stochastic_rounding", [True, False])
+def test_compiled_8bit_step_is_bitwise_the_eager_step(stochastic_rounding: bool) -> None:
+    """The 8-bit group is the second: its codes' random bits come from its own place in the counter
+    space, with or without stochastic rounding of the params."""
+
     def build() -> tuple[list[torch.nn.Parameter], CPUAdam]:
         torch.manual_seed(0)
-        params = [torch.nn.Parameter(torch.randn(n, dtype=torch.bfloat16)) for n in (300, 4097)]
-        groups = [{"params": params[:1]}, {"params": params[1:], "state_precision": "fp32"}]
-        return params, CPUAdam(groups, lr=1e-2, state_precision="8bit", stochastic_rounding=True, seed=5)
+        params = [torch.nn.Parameter(torch.randn(n, dtype=torch.bfloat16)) for n in (4097, 300)]
+        groups = [{"params": params[:1], "state_precision": "fp32"}, {"params": params[1:]}]
+        return params, CPUAdam(groups, lr=1e-2, state_precision="8bit", stochastic_rounding=stochastic_rounding, seed=5)
 
     torch._dynamo.reset()
     (eager_params, eager), (compiled_params, compiled) = build(), build()
@@ -133,5 +154,30 @@ def test_compiled_8bit_step_is_bitwise_the_eager_step() -> None:
             assert torch.equal(p, q), f"step {step}"
             for key, value in eager.state[p].items():
                 assert torch.equal(value, compiled.state[q][key]), f"{key}, step {step}"
-    assert eager.state[eager_params[0]]["exp_avg"].dtype == torch.uint8
-    assert eager.state[eager_params[1]]["exp_avg"].dtype == torch.float32
+    assert eager.state[eager_params[1]]["exp_avg"].dtype == torch.uint8
+    assert eager.state[eager_params[0]]["exp_avg"].dtype == torch.float32
+
+
+def test_8bit_codes_draw_the_bits_of_each_params_place() -> None:
+    """Without stochastic_rounding too, a param's codes draw the random bits of its place in its
+    group's counter space: here the second param of the second group."""
+    g = torch.Generator().manual_seed(3)
+    params = [torch.nn.Parameter(torch.randn(n, generator=g)) for n in (100, 300, 700)]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g)
+    start = [p.detach().clone() for p in params]
+    optimizer = CPUAdam([{"params": params[:1]}, {"params": params[1:]}], lr=1e-2, state_precision="8bit", seed=9)
+    optimizer.step()
+
+    def codes_at(offset: int) -> Tensor:
+        p, m, u = start[2].clone(), torch.zeros(700, dtype=torch.uint8), torch.zeros(700, dtype=torch.uint8)
+        scales = torch.ones(2, quant8.blocks(700))
+        ops.adam_step(
+            [p], [params[2].grad], [m], [u], state_scales=[scales], counter_offsets=[offset], seed=9, step=1,
+            lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2,
+        )  # fmt: skip
+        return m
+
+    place = ops.group_counter_base(1) + 512  # after the group's first param, 300 elements on 256-element places
+    assert torch.equal(optimizer.state[params[2]]["exp_avg"], codes_at(place))
+    assert not torch.equal(codes_at(place), codes_at(0))  # the place matters

@@ -169,7 +169,11 @@ def _robustness_rank(rank: int, world_size: int, out: Path) -> None:
     model = make_model(seed=rank)
     opt = _zero_opt(model, state_precision="8bit", seed=100 + rank)
     torch.save([p.detach().clone() for p in model.parameters()], out / f"init{rank}.pt")
-    torch.save(opt.seed, out / f"seed{rank}.pt")
+    seeds = [opt.seed]
+    shard = opt.state_dict()
+    shard["seed"] = 200 + rank  # as shards saved by 0.2 with stochastic rounding may hold
+    opt.load_state_dict(shard)
+    torch.save([*seeds, opt.seed], out / f"seed{rank}.pt")
 
     # The same, handed over from fp32 CPU models: rank 0's fp32 values become every rank's masters.
     model = make_model(seed=rank, dtype=torch.float32)
@@ -413,7 +417,7 @@ def test_ranks_built_from_other_seeds_train_rank_0s_weights(robustness_run: Path
     rank0 = [p.detach() for p in make_model(seed=0).parameters()]
     for r in range(2):
         assert all(torch.equal(a, b) for a, b in zip(torch.load(robustness_run / f"init{r}.pt"), rank0))
-        assert torch.load(robustness_run / f"seed{r}.pt") == 100  # rank 0's stream of random bits
+        assert torch.load(robustness_run / f"seed{r}.pt") == [100, 200]  # rank 0's stream of random bits
 
 
 def test_ranks_whose_graphs_differ_reduce_in_one_order(robustness_run: Path):

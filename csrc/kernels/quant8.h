@@ -76,7 +76,8 @@ inline float decode_magnitude(uint32_t code) {
 template <int kMantissa>
 inline bool normal_codes(const uint8_t* codes, int64_t n, uint8_t magnitude_mask, float scale) {
   const uint32_t scale_bits = f32_bits(scale);
-  if (scale_bits < kSmallestScale || scale_bits >= kExponentMask) return false;
+  // A power of two in [2^-112, 2^127]; a loaded state dict may hold any float.
+  if (scale_bits < kSmallestScale || scale_bits >= kExponentMask || (scale_bits & kMantissaMask) != 0) return false;
   uint8_t smallest = 0xFF;
   for (int64_t i = 0; i < n; ++i) smallest = std::min<uint8_t>(smallest, codes[i] & magnitude_mask);
   return smallest >= (1u << kMantissa);
@@ -108,14 +109,20 @@ inline void decode_root_block(const uint8_t* codes, int64_t n, float scale, floa
 
 // A block's scale 2^k as float32 bits, from the largest magnitude's bits: NaN when
 // the block holds a non-finite value (the whole block then decodes to NaN), 1 when it
-// is all zero, else the power of two of the largest magnitude, at least 2^-112. Every
-// float32 value the step stores (flush-to-zero: none below 2^-126) is then at least
-// 2^-14 of the scale, where codes keep their full precision, and the encode's
-// exponent bias below is never negative.
+// is all zero, else the power of two at or below the largest magnitude, or the next
+// one where the largest lies above the largest code (so that no value saturates and
+// the rounding stays unbiased), and at least 2^-112: then the encode's exponent bias
+// is never negative, and even a block of the smallest scale holds every float32 the
+// step stores (none below 2^-126 under flush-to-zero) in its normal codes.
+template <int kMantissa>
 inline uint32_t block_scale_bits(uint32_t largest) {
+  constexpr uint32_t largest_code_mantissa = ((1u << kMantissa) - 1) << (23 - kMantissa);
+  constexpr uint32_t largest_finite_exponent = 254u << 23;
   if (largest >= kExponentMask) return f32_bits(std::numeric_limits<float>::quiet_NaN());
   if (largest == 0) return f32_bits(1.0f);
-  return std::max(largest & kExponentMask, kSmallestScale);
+  uint32_t exponent = largest & kExponentMask;
+  if ((largest & kMantissaMask) > largest_code_mantissa && exponent < largest_finite_exponent) exponent += 1u << 23;
+  return std::max(exponent, kSmallestScale);
 }
 
 // Stochastic rounding of a magnitude aligned so that a code step is 2^(23 - kMantissa):
@@ -220,8 +227,8 @@ inline void encode_block(const BlockCodes& b, uint32_t first_counter, uint32_t k
     m_smallest = std::min(m_smallest, m_magnitude);
     u_smallest = std::min(u_smallest, u_magnitude);
   }
-  const uint32_t m_scale_bits = block_scale_bits(m_largest);
-  const uint32_t u_scale_bits = block_scale_bits(u_largest);
+  const uint32_t m_scale_bits = block_scale_bits<kAvgMantissa>(m_largest);
+  const uint32_t u_scale_bits = block_scale_bits<kRootMantissa>(u_largest);
   *m_scale = f32_from_bits(m_scale_bits);
   *u_scale = f32_from_bits(u_scale_bits);
   // A non-finite block is NaN as a whole: its codes are 0.
