@@ -1,8 +1,8 @@
 // 8-bit codes of the Adam moments, per block of kQ8Block elements (see README.md,
 // "8-bit states").
 //
-// A block's scale is a power of two 2^k <= its largest magnitude, so value / scale
-// is exact and lies in [0, 2). The normalised magnitude x is a tiny float with
+// A block's scale is a power of two (block_scale_bits), so value / scale is exact
+// and lies in [0, 2). The normalised magnitude x is a tiny float with
 // kMantissa bits of mantissa and a 4-bit exponent field e (bias 15):
 //   e > 0: x = 2^(e - 15) * (1 + f / 2^kMantissa)
 //   e = 0: x = f * 2^-(14 + kMantissa)   (evenly spaced down to zero)
@@ -93,7 +93,7 @@ inline void decode_avg_block(const uint8_t* codes, int64_t n, float scale, float
     return;
   }
   for (int64_t i = 0; i < n; ++i) {
-    const float magnitude = decode_magnitude<kAvgMantissa>(codes[i] & 0x7Fu) * scale;
+    const float magnitude = decode_magnitude<kAvgMantissa>(codes[i] & kMagnitudeMask) * scale;
     m[i] = f32_from_bits(f32_bits(magnitude) | (uint32_t{codes[i]} & 0x80u) << 24);
   }
 }
