@@ -72,11 +72,16 @@ def _scales(blocked: Tensor, mantissa: int) -> Tensor:
     return torch.where(blocked.isfinite().all(dim=1), scale, torch.full_like(scale, math.nan))
 
 
-def _nearest(x: Tensor, table: Tensor) -> Tensor:
-    """Index of the entry of ``table`` nearest to x (ties to the even index; saturating)."""
+def _neighbours(x: Tensor, table: Tensor) -> tuple[Tensor, Tensor]:
+    """Indices of the entries of ``table`` at or below x and next above it (the top one twice)."""
     top = table.numel() - 1
     lo = (torch.searchsorted(table, x.contiguous(), right=True) - 1).clamp(0, top)
-    hi = (lo + 1).clamp(max=top)
+    return lo, (lo + 1).clamp(max=top)
+
+
+def _nearest(x: Tensor, table: Tensor) -> Tensor:
+    """Index of the entry of ``table`` nearest to x (ties to the even index; saturating)."""
+    lo, hi = _neighbours(x, table)
     below, above = x - table[lo], table[hi] - x
     take_hi = (above < below) | ((above == below) & (hi % 2 == 0))
     return torch.where(take_hi, hi, lo)
@@ -85,9 +90,7 @@ def _nearest(x: Tensor, table: Tensor) -> Tensor:
 def _stochastic(x: Tensor, table: Tensor, random16: Tensor) -> Tensor:
     """Index of the entry of ``table`` at or below x, plus one where ``random16`` (uniform in
     [0, 2^16)) plus the fraction of the step to the next entry, in 2^-16 units, reaches 2^16."""
-    top = table.numel() - 1
-    lo = (torch.searchsorted(table, x.contiguous(), right=True) - 1).clamp(0, top)
-    hi = (lo + 1).clamp(max=top)
+    lo, hi = _neighbours(x, table)
     step = torch.where(hi > lo, table[hi] - table[lo], 1.0)  # at the top x saturates
     fraction = torch.floor((x - table[lo]) / step * _RANDOM_STEPS)  # exact: steps are powers of two
     return torch.where(random16 + fraction >= _RANDOM_STEPS, hi, lo)
