@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from ._flat import FlatLayout, shards_to_full
 from ._precision import MOMENTS, SCALES
 from ._threads import cores_per_local_rank
-from .offload import STATE_DICT_FORMAT
+from .offload.layout import FlatLayout, shards_to_full
+from .offload.state_dict import STATE_DICT_FORMAT
 from .quant8 import BLOCK
 
 __all__ = ["consolidate_state_dict", "cores_per_local_rank"]

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from cpu_adam._device import DeviceOps
+from cpu_adam.offload.device import DeviceOps
 
 VOCAB = 61
 

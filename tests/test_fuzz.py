@@ -633,9 +633,11 @@ def grouped(optimizer: torch.optim.Optimizer, index: int | None) -> list[Tensor]
 def offload_state(optimizer: OffloadOptimizer, params: list[Tensor]) -> list[Any]:
     out = [p.detach().clone() for p in params] + [optimizer.skipped_steps]
     out += [m.clone() for m in optimizer.master_weights()]
-    for group in optimizer._groups:  # the host buffers: a state dict before the first step holds none
-        if group is not None:
-            out += [group.exp_avg.clone(), group.exp_avg_sq.clone(), list(group.steps)]
+    store = optimizer._store  # the host buffers: a state dict before the first step holds none
+    for g, layout in enumerate(optimizer._layouts):
+        if layout is not None:
+            tensors = store.export(g)
+            out += [tensors["exp_avg"].clone(), tensors["exp_avg_sq"].clone(), list(store.steps[g])]
     return out
 
 

@@ -11,8 +11,8 @@ from offload_helpers import CopyingCPU, GradTap, batches, lm_loss, make_model
 from torch import Tensor, nn
 
 from cpu_adam import CPUAdam, offload, quant8
-from cpu_adam._flat import LEGACY_ALIGN, FlatLayout, canonical_offsets
 from cpu_adam.offload import LEGACY_FORMAT, OffloadOptimizer
+from cpu_adam.offload.layout import LEGACY_ALIGN, FlatLayout, canonical_offsets
 
 BUCKET = 1024  # elements: the tiny model spans several buckets
 HYPER = dict(lr=1e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
@@ -86,7 +86,7 @@ def test_the_gpu_copy_path_steps_as_the_cpu_path(monkeypatch: pytest.MonkeyPatch
         return model, opt
 
     direct_model, direct = train()
-    monkeypatch.setattr(offload, "DeviceOps", CopyingCPU)
+    monkeypatch.setattr(offload.optimizer, "DeviceOps", CopyingCPU)
     copied_model, copied = train()
     a, b = direct.state_dict()["state"][0], copied.state_dict()["state"][0]
     for name in ("master", "exp_avg", "exp_avg_sq", "state_scales"):

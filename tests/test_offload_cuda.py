@@ -43,9 +43,8 @@ def test_pinned_buffer_is_page_locked_at_exact_size():
     _, _, _, opt, _ = build()
     stats = opt.memory_stats()
     assert stats["pinned"]
-    group = opt._groups[0]
-    assert group.grads.tensor.is_pinned()
-    assert stats["pinned_bytes"] == 2 * group.layout.numel
+    assert opt._link.buffers[0].tensor.is_pinned()
+    assert stats["pinned_bytes"] == 2 * opt._layouts[0].numel
 
 
 def test_parity_with_torch_adamw_on_cuda():
@@ -370,7 +369,7 @@ def test_reentrant_checkpointing_with_a_shared_param_matches_adamw():
     oracle = AdamWOracle([{"params": params}], **HYPER)
     for tokens in batches(4, device="cuda"):
         reentrant_checkpointed_loss(model, tokens).backward()
-        assert opt._grads.micro == 1
+        assert opt._window.micro == 1
         oracle.step(tap.take())
         opt.step()
         assert_matches_oracle(opt, params, oracle)

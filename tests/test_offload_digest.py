@@ -92,12 +92,12 @@ def _device(kind: str) -> Iterator[None]:
     if kind == "cpu":
         yield
         return
-    original = offload.DeviceOps
-    offload.DeviceOps = CopyingCPU
+    original = offload.optimizer.DeviceOps
+    offload.optimizer.DeviceOps = CopyingCPU
     try:
         yield
     finally:
-        offload.DeviceOps = original
+        offload.optimizer.DeviceOps = original
 
 
 def _digest_of(items: list[tuple[str, Any]]) -> str:

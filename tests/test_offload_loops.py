@@ -39,8 +39,8 @@ def _simulated_oom(grad: torch.Tensor) -> None:
 def _state(model: nn.Module, opt: OffloadOptimizer) -> list[torch.Tensor]:
     weights = [p.detach().clone() for p in model.parameters()]
     masters = [m.clone() for m in opt.master_weights()]
-    group = opt._groups[0]  # the moments as the host holds them (a state dict before a step has none)
-    return [*weights, *masters, group.exp_avg.clone(), group.exp_avg_sq.clone()]
+    moments = opt._store.export(0)  # as the host holds them (a state dict before a step has none)
+    return [*weights, *masters, moments["exp_avg"].clone(), moments["exp_avg_sq"].clone()]
 
 
 def _train_skipping_a_failed_batch(fail_at: int | None, micro_batches: int = 1) -> list[torch.Tensor]:
@@ -105,7 +105,7 @@ def test_reentrant_checkpointing_with_shared_params_matches_adamw(micro_batches:
     for tokens in batches(6):
         for chunk in tokens.chunk(micro_batches):
             (reentrant_checkpointed_loss(model, chunk) / micro_batches).backward()
-        assert opt._grads.micro == micro_batches, "one micro-batch per user backward"
+        assert opt._window.micro == micro_batches, "one micro-batch per user backward"
         oracle.step(tap.take())
         opt.step()
         assert_matches_oracle(opt, params, oracle)
@@ -168,7 +168,7 @@ def test_params_converted_after_construction_raise_at_step():
 
 
 def test_device_memory_stays_bounded_when_buckets_never_fill(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(offload, "DeviceOps", CopyingCPU)
+    monkeypatch.setattr(offload.optimizer, "DeviceOps", CopyingCPU)
     width, layers = 32, 16
     model = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(layers)]).to(torch.bfloat16)
     used = list(model)[: layers // 2]
@@ -187,7 +187,7 @@ def test_device_memory_stays_bounded_when_buckets_never_fill(monkeypatch: pytest
 
 
 def offload_open_buckets() -> int:
-    from cpu_adam._grads import OPEN_BUCKETS
+    from cpu_adam.offload.schedule import OPEN_BUCKETS
 
     return OPEN_BUCKETS
 
@@ -303,10 +303,10 @@ def test_a_step_that_raises_leaves_the_step_counts_alone(monkeypatch: pytest.Mon
     def failing_kernel(*args, **kwargs):
         raise RuntimeError("simulated kernel failure")
 
-    monkeypatch.setattr(offload, "adam_step", failing_kernel)
+    monkeypatch.setattr(offload.stepper, "adam_step", failing_kernel)
     with pytest.raises(RuntimeError, match="simulated"):
         opt.step()
-    assert opt._groups[0].steps == [0] * len(opt._groups[0].params)
+    assert opt._store.steps[0] == [0] * len(opt._layouts[0].shapes)
 
 
 def test_params_that_are_views_of_one_buffer_stay_views_or_are_refused():
@@ -360,7 +360,7 @@ def test_a_later_group_whose_scalars_overflow_the_step_leaves_every_group_alone(
         opt.step()
     after = [p.detach().clone() for p in model.parameters()] + [m.clone() for m in opt.master_weights()]
     assert all(torch.equal(a, b) for a, b in zip(before, after))
-    assert all(n == 0 for group in opt._groups for n in group.steps)
+    assert all(n == 0 for steps in opt._store.steps for n in steps)
 
 
 def test_weights_loaded_into_the_model_between_steps_are_trained_from():

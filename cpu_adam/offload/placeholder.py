@@ -62,7 +62,7 @@ _FIX = (
 class GradSource(Protocol):
     """The side of the optimizer that holds the grads on the host."""
 
-    window: int  # counts the steps and zero_grads: a placeholder of an earlier window is stale
+    epoch: int  # counts the steps and zero_grads: a placeholder of an earlier window is stale
 
     def grad_norm(self, g: int, i: int) -> float: ...
 
@@ -112,7 +112,7 @@ class OffloadedGrad(Tensor):
     def _zeroed(self) -> OffloadedGrad:
         ref, _, _, window = self._source
         source = ref()
-        if source is not None and source.window == window:
+        if source is not None and source.epoch == window:
             raise RuntimeError(
                 "cpu_adam.OffloadOptimizer: this grad is part of the grads waiting for the next step() on the host; "
                 "drop them with optimizer.zero_grad() (or model.zero_grad(), which sets grads to None)"
@@ -124,7 +124,7 @@ class OffloadedGrad(Tensor):
         source = ref()
         if source is None:
             raise RuntimeError("cpu_adam.OffloadOptimizer: this grad belongs to an optimizer that no longer exists")
-        if source.window != window:
+        if source.epoch != window:
             raise RuntimeError(
                 "cpu_adam.OffloadOptimizer: this grad was already used by step() or dropped by zero_grad(); its norm "
                 "and scaling belong to the backward passes before that. Take norms and clip after backward, before "
@@ -198,5 +198,5 @@ def placeholder(param: Tensor, source: GradSource, g: int, i: int) -> OffloadedG
     if key not in _scalars:
         _scalars[key] = torch.zeros((), dtype=param.dtype, device=param.device)
     grad = _scalars[key].expand(param.shape).as_subclass(OffloadedGrad)
-    grad._source = (weakref.ref(source), g, i, source.window)
+    grad._source = (weakref.ref(source), g, i, source.epoch)
     return grad

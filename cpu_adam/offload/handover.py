@@ -16,8 +16,10 @@ import math
 import torch
 from torch import Tensor
 
-from ._collectives import ShardComm
-from ._group import GroupBuffers
+from .layout import FlatLayout
+from .params import ModelSide
+from .store import Store
+from .world import World
 
 __all__ = ["check_sources", "hand_over", "target_device"]
 
@@ -48,36 +50,31 @@ def check_sources(params: list[Tensor], device: torch.device) -> None:
             )
 
 
-def hand_over(groups: list[GroupBuffers | None], device: torch.device, comm: ShardComm | None) -> list[Tensor]:
-    """Moves every param of ``groups`` to ``device`` as bf16, filling the masters from the CPU values.
+def hand_over(side: ModelSide, layouts: list[FlatLayout | None], store: Store, world: World) -> None:
+    """Moves every param to the side's device as bf16, filling the masters from the CPU values.
 
-    Returns the params that came from the meta device, for the check that their weights were
-    written before the first step.
+    Keeps the params that came from the meta device in ``side.unwritten``, for the check that
+    their weights were written before the first step.
     """
-    unwritten = []
-    for group in groups:
-        if group is None:
+    for g, layout in enumerate(layouts):
+        if layout is None:
             continue
         segments: dict[int, list[tuple[slice, slice]]] = {}
-        for b in range(len(group.layout.buckets)):
-            for i, part, host in group.piece_segments(b):
+        for b in range(len(layout.buckets)):
+            for i, part, host in layout.piece_segments(b):
                 segments.setdefault(i, []).append((part, host))
-        for i, p in enumerate(group.params):
+        for i, p in enumerate(side.params[g]):
             if p.is_meta:
-                _replace_storage(p, torch.full(p.shape, math.nan, dtype=torch.bfloat16, device=device))
-                unwritten.append(p)
+                _replace_storage(p, torch.full(p.shape, math.nan, dtype=torch.bfloat16, device=side.device))
+                side.unwritten.append(p)
                 continue
-            values = p.detach()
-            if comm is not None:  # ranks initialised with other seeds would train a patchwork
-                values = values.to(device=device, dtype=torch.float32, copy=True)
-                comm.broadcast_from_rank0(values)
+            values = world.rank0_values(p.detach())  # ranks initialised with other seeds would train a patchwork
             flat = values.reshape(-1)
             for part, host in segments.get(i, []):
-                group.master[host].copy_(flat[part])
-            _replace_storage(p, values.to(device=device, dtype=torch.bfloat16).contiguous())
-        group.master_synced = not unwritten
-        group.note_versions()
-    return unwritten
+                store.write_master(g, host, flat[part])
+            _replace_storage(p, values.to(device=side.device, dtype=torch.bfloat16).contiguous())
+        side.synced[g] = not side.unwritten
+        side.note_versions(g)
 
 
 def _replace_storage(p: Tensor, new: Tensor) -> None:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .quant8 import BLOCK
+from ..quant8 import BLOCK
 
 __all__ = [
     "ALIGN",
@@ -130,6 +130,28 @@ class FlatLayout:
 
     def param_range(self, i: int) -> tuple[int, int]:
         return self.offsets[i], self.offsets[i] + self.numels[i]
+
+    def piece_segments(self, b: int) -> list[tuple[int, slice, slice]]:
+        """(param, slice of its elements, slice of the host buffers) of this rank's piece of bucket ``b``."""
+        piece = self.pieces[b]
+        return [
+            (i, slice(lo - self.offsets[i], hi - self.offsets[i]), slice(host, host + hi - lo))
+            for i, lo, hi, host in self.segments(piece.flat, piece.flat + piece.numel, piece.host)
+        ]
+
+    def piece_params(self, b: int) -> tuple[list[int], list[slice]]:
+        """The params of this rank's piece of bucket ``b``, and their slices of the piece."""
+        piece = self.pieces[b]
+        segments = self.piece_segments(b)
+        return [i for i, _, _ in segments], [slice(h.start - piece.host, h.stop - piece.host) for _, _, h in segments]
+
+    def host_slice(self, b: int) -> tuple[slice, slice] | None:
+        """(slice of the whole bucket, slice of the host buffers) of this rank's piece of bucket ``b``."""
+        piece = self.pieces[b]
+        if piece.numel == 0:
+            return None
+        start = piece.flat - self.buckets[b].start
+        return slice(start, start + piece.numel), slice(piece.host, piece.host + piece.numel)
 
     def segments(self, lo: int, hi: int, host: int) -> list[tuple[int, int, int, int]]:
         """(param, flat start, flat end, host start) of each param's part in flat ``[lo, hi)``.

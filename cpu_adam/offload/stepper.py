@@ -1,0 +1,147 @@
+"""Adam over the host state, a chunk at a time: any chunks, in any order, each with the scale it is given.
+
+A chunk is a run of consecutive buckets of one group of about ``KERNEL_CHUNK`` elements of this
+rank's shard: one kernel call each (one parallel region), whose uploads can overlap the next
+chunk's compute. The kernel's lists are built from the store's views, the window's grads and the
+link's outputs; params that got no grad are left out, and params whose step counts differ get a
+call per count (their bias corrections differ). A chunk's params count their step once its
+kernel has run, so a step that raised leaves the bias corrections as they were.
+
+Counter offsets are the one-process layout's, so stochastic rounding draws the same bits
+whatever the world size, bucket size or chunking.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from torch import Tensor
+
+from ..ops import adam_step, group_counter_base
+from .layout import FlatLayout, canonical_offsets
+from .link import Link
+from .store import Store
+
+__all__ = ["KERNEL_CHUNK", "Chunk", "Stepper"]
+
+# One kernel call per chunk of 32M elements: a parallel region per 8M-element bucket cost 5-12%
+# (measured on a 16-core host), and the last chunk's upload (64 MB) stays about a millisecond.
+KERNEL_CHUNK = 2**25
+
+# (param, slice of its elements, slice of the host buffers, bucket)
+Segment = tuple[int, slice, slice, int]
+
+
+class Chunk(NamedTuple):
+    group: int
+    first: int  # buckets first..last-1
+    last: int
+
+
+class Stepper:
+    def __init__(self, store: Store, link: Link, layouts: list[FlatLayout | None], params: list[list[Tensor]]) -> None:
+        self._store = store
+        self._link = link
+        self._layouts = layouts
+        self._params = params
+        self._offsets = [[] if layout is None else canonical_offsets(layout.shapes) for layout in layouts]
+        self.chunks = [[] if layout is None else _chunks(g, layout, KERNEL_CHUNK) for g, layout in enumerate(layouts)]
+        self._segments = {
+            chunk: [
+                (i, part, host, b)
+                for b in range(chunk.first, chunk.last)
+                for i, part, host in layouts[g].piece_segments(b)
+            ]
+            for g, chunks in enumerate(self.chunks)
+            for chunk in chunks
+        }
+        self._members = {
+            chunk: [i for i, b in enumerate(layouts[g].bucket_of) if chunk.first <= b < chunk.last]
+            for g, chunks in enumerate(self.chunks)
+            for chunk in chunks
+        }
+        # The kernel lists of chunks whose params all step alike with un-accumulated grads, kept
+        # while the params keep their storage (a direct step writes into it).
+        self._lists: dict[Chunk, tuple[list, ...]] = {}
+        self._storage = [[] for _ in layouts]
+
+    def check(self, hypers: list[dict[str, Any] | None], got: list[list[bool]]) -> None:
+        """Every group's kernel scalars, before any chunk is stepped: a step is all or nothing."""
+        for g, hyper in enumerate(hypers):
+            if hyper is not None:
+                for step in {n + 1 for n, x in zip(self._store.steps[g], got[g]) if x}:
+                    adam_step([], [], [], [], step=step, check_only=True, **hyper)
+
+    def step(self, chunk: Chunk, hyper: dict[str, Any], grads: dict[tuple[int, int], Tensor], got: list[bool]) -> None:
+        """Adam on ``chunk`` with ``hyper`` (its ``grad_scale`` included) over the params that ``got`` a grad."""
+        g = chunk.group
+        self._check_storage(g)
+        for step, tensors in self._lists_by_step(chunk, grads, got).items():
+            adam_step(
+                *tensors[:4],
+                bf16_outs=tensors[4],
+                counter_offsets=tensors[5],
+                state_scales=tensors[6],
+                step=step,
+                **hyper,
+            )
+        self._store.advance(g, [i for i in self._members[chunk] if got[i]])
+
+    def _check_storage(self, g: int) -> None:
+        storage = [p.data_ptr() for p in self._params[g]]
+        if storage != self._storage[g]:
+            self._storage[g] = storage
+            for chunk in self.chunks[g]:
+                self._lists.pop(chunk, None)
+
+    def _lists_by_step(
+        self, chunk: Chunk, grads: dict[tuple[int, int], Tensor], got: list[bool]
+    ) -> dict[int, tuple[list, ...]]:
+        """The kernel's (masters, grads, exp_avgs, exp_avg_sqs, bf16_outs, counter offsets, state scales), by step.
+
+        Consecutive params of a bucket (with the zero padding between them) share one tuple,
+        except where the kernel writes straight into each param's storage.
+        """
+        g = chunk.group
+        segments = self._segments[chunk]
+        plan = [s for s in segments if got[s[0]]]
+        steps = {self._store.steps[g][i] + 1 for i, *_ in plan}  # the step being taken
+        buffer = self._link.buffers[g].tensor
+        reusable = len(plan) == len(segments) and len(steps) == 1
+        reusable = reusable and all(grads[(g, b)] is buffer for b in range(chunk.first, chunk.last))
+        if reusable and chunk in self._lists:
+            return {steps.pop(): self._lists[chunk]}
+        by_step: dict[int, list[list]] = {}
+        for i, part, host, b in plan:
+            runs = by_step.setdefault(self._store.steps[g][i] + 1, [])
+            if not self._link.direct and runs and runs[-1][3] == b and runs[-1][4] == i - 1:
+                runs[-1][0], runs[-1][4] = slice(runs[-1][0].start, host.stop), i
+            else:
+                runs.append([host, part, i, b, i])  # its first param's part (where its counters start), its last param
+        out = {}
+        for step, runs in by_step.items():
+            views = [self._store.views(g, h) for h, *_ in runs]
+            out[step] = (
+                [v.master for v in views],
+                [grads[(g, b)][h] for h, _, _, b, _ in runs],
+                [v.exp_avg for v in views],
+                [v.exp_avg_sq for v in views],
+                [self._link.outputs(g, i, part, h) for h, part, i, _, _ in runs],
+                [group_counter_base(g) + self._offsets[g][i] + part.start for _, part, i, _, _ in runs],
+                [v.scales for v in views] if views and views[0].scales is not None else [],
+            )
+        if reusable:
+            self._lists[chunk] = next(iter(out.values()))
+        return out
+
+
+def _chunks(g: int, layout: FlatLayout, size: int) -> list[Chunk]:
+    runs, first, numel = [], 0, 0
+    for b, piece in enumerate(layout.pieces):
+        numel += piece.numel
+        if numel >= size:
+            runs.append(Chunk(g, first, b + 1))
+            first, numel = b + 1, 0
+    if first < len(layout.pieces):
+        runs.append(Chunk(g, first, len(layout.pieces)))
+    return runs

@@ -1,0 +1,122 @@
+"""Where the optimizer's state lives: master weights, Adam's moments, 8-bit block scales, step counts.
+
+Nothing outside the store touches them: the stepper asks for the views of a chunk, the state
+dict exports and imports them, the params' side writes masters through ``write_master``. Each
+param group's state is this rank's shard, laid out as its ``FlatLayout`` says (the padding
+between params holds zeros, which Adam keeps at zero). ``Store`` is the interface, so that a
+tier below host RAM can stand in for ``HostStore``, today's one implementation.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Protocol
+
+import torch
+from torch import Tensor
+
+from .._precision import SCALES
+from ..quant8 import BLOCK
+from .layout import FlatLayout
+
+__all__ = ["ChunkViews", "HostStore", "Store"]
+
+
+class ChunkViews(NamedTuple):
+    """The state of host elements ``[start, stop)`` of one group, as views the kernel updates in place."""
+
+    master: Tensor
+    exp_avg: Tensor
+    exp_avg_sq: Tensor
+    scales: Tensor | None  # 8-bit moments: [2, blocks] (a view starts on a block boundary)
+
+
+class Store(Protocol):
+    steps: list[list[int]]  # per group, per param: Adam steps taken (as torch counts them)
+
+    def views(self, g: int, host: slice) -> ChunkViews: ...
+
+    def advance(self, g: int, params: list[int]) -> None: ...
+
+    def master(self, g: int, host: slice) -> Tensor: ...
+
+    def write_master(self, g: int, host: slice, values: Tensor) -> None: ...
+
+    def export(self, g: int) -> dict[str, Tensor]: ...
+
+    def load(self, g: int, tensors: dict[str, Tensor], steps: list[int]) -> None: ...
+
+    def nbytes(self) -> tuple[int, int]: ...
+
+
+class HostStore:
+    """The state in host RAM: one flat tensor per group and kind."""
+
+    def __init__(self, layouts: list[FlatLayout | None], master_dtype: torch.dtype, state_dtype: torch.dtype) -> None:
+        self._groups = [
+            None if layout is None else _GroupState(layout, master_dtype, state_dtype) for layout in layouts
+        ]
+        self.steps = [[] if layout is None else [0] * len(layout.shapes) for layout in layouts]
+
+    def views(self, g: int, host: slice) -> ChunkViews:
+        state = self._groups[g]
+        scales = None
+        if state.scales is not None:
+            scales = state.scales[:, host.start // BLOCK : (host.stop + BLOCK - 1) // BLOCK]
+        return ChunkViews(state.master[host], state.exp_avg[host], state.exp_avg_sq[host], scales)
+
+    def advance(self, g: int, params: list[int]) -> None:
+        """One more step for each of ``params`` (once their kernel has run)."""
+        steps = self.steps[g]
+        for i in params:
+            steps[i] += 1
+
+    def master(self, g: int, host: slice) -> Tensor:
+        return self._groups[g].master[host]
+
+    def write_master(self, g: int, host: slice, values: Tensor) -> None:
+        self._groups[g].master[host].copy_(values)
+
+    def export(self, g: int) -> dict[str, Tensor]:
+        """The live tensors of group ``g``, by their state-dict names."""
+        state = self._groups[g]
+        tensors = {"master": state.master, "exp_avg": state.exp_avg, "exp_avg_sq": state.exp_avg_sq}
+        if state.scales is not None:
+            tensors[SCALES] = state.scales
+        return tensors
+
+    def load(self, g: int, tensors: dict[str, Tensor], steps: list[int]) -> None:
+        """Moments zeroed, then ``tensors`` (checked, in this store's dtypes and shapes) copied in."""
+        state = self._groups[g]
+        state.exp_avg.zero_()
+        state.exp_avg_sq.zero_()
+        if state.scales is not None:
+            state.scales.fill_(1.0)
+        live = self.export(g)
+        for name, t in tensors.items():
+            live[name].copy_(t)
+        self.steps[g] = list(steps)
+
+    def nbytes(self) -> tuple[int, int]:
+        """(master bytes, moment bytes with their block scales) held."""
+        master = states = 0
+        for state in self._groups:
+            if state is not None:
+                master += _nbytes(state.master)
+                states += _nbytes(state.exp_avg) + _nbytes(state.exp_avg_sq) + _nbytes(state.scales)
+        return master, states
+
+
+class _GroupState:
+    def __init__(self, layout: FlatLayout, master_dtype: torch.dtype, state_dtype: torch.dtype) -> None:
+        n = layout.shard_numel
+        # Filled from the device weights at the first step, so weights loaded into the model
+        # after the optimizer was built are the ones trained.
+        self.master = torch.zeros(n, dtype=master_dtype)
+        self.exp_avg = torch.zeros(n, dtype=state_dtype)
+        self.exp_avg_sq = torch.zeros(n, dtype=state_dtype)
+        # 8-bit moments (uint8 codes): both moments' scale per block; an all-zero block's is 1.
+        self.scales = torch.ones(2, n // BLOCK) if state_dtype == torch.uint8 else None
+
+
+def _nbytes(t: Tensor | None) -> int:
+    return 0 if t is None else t.untyped_storage().nbytes()
