@@ -45,14 +45,8 @@ from ._offloaded_grad import OffloadedGrad
 from ._precision import MOMENTS, SCALES, converted_moments, resolved_precision, state_dtype
 from ._threads import check_threads
 from ._transfers import Transfers
-from .ops import (
-    adam_step,
-    check_hyper_parameters,
-    check_param_group,
-    check_step_count,
-    checked_seed,
-    group_counter_base,
-)
+from ._validation import check_hyper_parameters, check_param_group, check_step_count, checked_seed
+from .ops import adam_step, group_counter_base
 from .quant8 import BLOCK
 
 __all__ = ["OffloadOptimizer"]
