@@ -24,6 +24,7 @@ from pathlib import Path
 LIBRARY_NAME = "cpu_adam_kernels"
 SOURCES = (
     "ops.cpp",
+    "checks.cpp",
     "dispatch.cpp",
     "cpu_features.cpp",
     "memory_overlap.cpp",

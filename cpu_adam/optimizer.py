@@ -12,7 +12,9 @@ import torch
 from torch import Tensor
 
 from . import ops, quant8
+from ._compiled_step import GroupStep, adam_step_groups
 from ._precision import MOMENTS, SCALES, converted_moments, resolved_precision, state_dtype
+from ._validation import check_hyper_parameters, check_param_group, check_step_count, checked_seed
 
 _OWN_KEYS = (
     "bias_correction",
@@ -103,7 +105,7 @@ class CPUAdam(torch.optim.Optimizer):
         del foreach, fused  # every step is one fused pass: both implementations of torch give these numbers
         if weight_decay is None:  # as the optimizer it stands in for: torch.optim.AdamW or torch.optim.Adam
             weight_decay = 1e-2 if adamw_mode else 0.0
-        ops.check_hyper_parameters("CPUAdam", lr, betas, eps, weight_decay)
+        check_hyper_parameters("CPUAdam", lr, betas, eps, weight_decay)
         state_precision = resolved_precision("CPUAdam", state_precision, fp32_optimizer_states)
         if seed is None:  # not drawn: replicas seeded per rank (DDP) must still round alike
             seed = 0
@@ -119,7 +121,7 @@ class CPUAdam(torch.optim.Optimizer):
             "fp32_optimizer_states": state_precision == "fp32",
             "state_precision": state_precision,
             "stochastic_rounding": stochastic_rounding,
-            "seed": ops.checked_seed("CPUAdam", seed),
+            "seed": checked_seed("CPUAdam", seed),
         }
         super().__init__(params, defaults)
 
@@ -165,10 +167,10 @@ class CPUAdam(torch.optim.Optimizer):
         for index, group in enumerate(self.param_groups):  # all before any is stepped: a refused step changes nothing
             _check_group(f"CPUAdam param group {index}", group)
         groups = [self._group_step(index, group) for index, group in enumerate(self.param_groups)]
-        ops.adam_step_groups("CPUAdam", groups)
+        adam_step_groups("CPUAdam", groups)
         return loss
 
-    def _group_step(self, index: int, group: dict[str, Any]) -> ops.GroupStep:
+    def _group_step(self, index: int, group: dict[str, Any]) -> GroupStep:
         params: list[Tensor] = []
         grads: list[Tensor] = []
         exp_avgs: list[Tensor] = []
@@ -183,7 +185,7 @@ class CPUAdam(torch.optim.Optimizer):
             places = ops.back_to_back(group["params"], ops.group_counter_base(index))
             offsets = [offset for p, offset in zip(group["params"], places) if p.grad is not None]
         beta1, beta2 = group["betas"]
-        return ops.GroupStep(
+        return GroupStep(
             params,
             grads,
             exp_avgs,
@@ -292,9 +294,9 @@ class CPUAdam(torch.optim.Optimizer):
 
 def _check_group(owner: str, group: dict[str, Any]) -> None:
     compiling = torch.compiler.is_compiling()
-    if not compiling:  # a compiled step checks the values when it runs (ops.adam_step_groups)
-        ops.check_param_group(owner, group)
-        ops.checked_seed(owner, group["seed"])
+    if not compiling:  # a compiled step checks the values when it runs (adam_step_groups)
+        check_param_group(owner, group)
+        checked_seed(owner, group["seed"])
     # While compiling, dynamo shows every param group with capturable=True (for its CUDA graphs);
     # the group itself is unchanged.
     ignored = ("capturable",) if compiling else ()
@@ -311,7 +313,7 @@ def _check_loadable(state_dict: dict[str, Any], defaults: dict[str, Any]) -> Non
         _check_group(f"CPUAdam.load_state_dict: param group {index}", {**defaults, **saved})
     for key, saved in state_dict["state"].items():
         if isinstance(saved, dict) and "step" in saved:
-            ops.check_step_count(f"CPUAdam.load_state_dict: the state of param {key}", saved["step"])
+            check_step_count(f"CPUAdam.load_state_dict: the state of param {key}", saved["step"])
 
 
 @contextmanager

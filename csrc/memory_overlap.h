@@ -1,5 +1,5 @@
 // Whether two strided tensors share a byte of memory, decided on their layouts (never element
-// by element). Torch-free: ops.cpp describes each tensor as an Extent.
+// by element). Torch-free: checks.cpp describes each tensor as an Extent.
 #pragma once
 
 #include <cstdint>

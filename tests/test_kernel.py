@@ -3,16 +3,18 @@ bound of a float64 Adam, bf16 rounding equal to torch's, and its errors."""
 
 from __future__ import annotations
 
+import itertools
 import random
 import re
 import threading
+import time
 import warnings
 
 import pytest
 import torch
 from conftest import DTYPES, FP32_UNIT_ROUNDOFF, LAYOUTS, assert_same_bits, flushed, vector_isas
 
-from cpu_adam import CPUAdam, _threads, ops
+from cpu_adam import CPUAdam, _compiled_step, _threads, ops
 from cpu_adam.reference import adam_reference
 
 # Around every vector width (8, 16) and tail, the 4096-element thread block, and
@@ -279,19 +281,33 @@ def test_non_contiguous_tensors_are_updated_in_place(isa: str) -> None:
 
 
 def test_gil_is_released_while_the_kernel_runs() -> None:
-    n = 1 << 24
-    tensors = [torch.randn(n), torch.randn(n), torch.zeros(n), torch.zeros(n)]
-    worker = threading.Thread(
-        target=lambda: [ops.adam_step(*([t] for t in tensors), step=1, **HYPER) for _ in range(5)]
-    )
-    ops.adam_step(*([t] for t in tensors), step=1, **HYPER)  # load first: compiling would hold the GIL
-    iterations = 0
+    # Steps are to run on a worker thread while the main thread runs autograd. Equal inputs take
+    # every element down the same path, about lr a step, and the kernel writes each thread's
+    # elements in order: so a first element below the last one, read after it, means this thread
+    # ran Python in the middle of a step, which a step holding the GIL never lets it do.
+    n = 1 << 25
+    param, grad, exp_avg, exp_avg_sq = torch.zeros(n), torch.ones(n), torch.zeros(n), torch.zeros(n)
+    ops.adam_step(*([torch.zeros(1)] for _ in range(4)), step=1, **HYPER)  # load first: compiling holds the GIL
+    stop = threading.Event()
+
+    def step_until_stopped() -> None:
+        for step in itertools.count(1):
+            if stop.is_set():
+                return
+            ops.adam_step([param], [grad], [exp_avg], [exp_avg_sq], step=step, **HYPER)
+
+    worker = threading.Thread(target=step_until_stopped)
     worker.start()
-    while worker.is_alive():
-        iterations += 1
-    worker.join()
-    # Holding the GIL, a step of 16M elements would leave this loop almost no turns.
-    assert iterations > 10000
+    deadline = time.monotonic() + 3.0  # a busy machine may keep this thread off the CPU for many steps
+    seen_mid_step = False
+    try:
+        while not seen_mid_step and time.monotonic() < deadline:
+            first = param[0].item()
+            seen_mid_step = first < param[-1].item()
+    finally:
+        stop.set()
+        worker.join()
+    assert seen_mid_step, "the main thread never ran while a step was under way: the op holds the GIL"
 
 
 # ---- errors: each names the problem and the fix ----
@@ -405,7 +421,7 @@ def test_a_failed_cpuadam_step_changes_no_count(monkeypatch: pytest.MonkeyPatch)
     def failing(*args, **kwargs) -> None:
         raise RuntimeError("simulated kernel failure")
 
-    monkeypatch.setattr(ops, "adam_step", failing)
+    monkeypatch.setattr(_compiled_step, "adam_step", failing)
     with pytest.raises(RuntimeError, match="simulated"):
         optimizer.step()
     assert float(optimizer.state[w]["step"]) == 1

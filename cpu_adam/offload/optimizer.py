@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from .._precision import resolved_precision, state_dtype
-from ..ops import check_hyper_parameters, check_param_group, checked_seed
+from .._validation import check_hyper_parameters, check_param_group, checked_seed
 from . import state_dict as checkpoint
 from .device import DeviceOps
 from .handover import check_sources, hand_over, target_device

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from .._precision import MOMENTS, SCALES, converted_moments
-from ..ops import check_param_group, check_step_count, checked_seed
+from .._validation import check_param_group, check_step_count, checked_seed
 from ..quant8 import BLOCK
 from .layout import FlatLayout, check_shard, from_legacy_layout, full_numel, full_to_shard
 from .options import checked_max_grad_norm

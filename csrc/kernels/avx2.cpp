@@ -82,9 +82,5 @@ void adam_avx2(const Segment& s, Layout l, const Hyper& h) { run<Avx2Ops>(s, l, 
 
 }  // namespace cpu_adam
 
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+#include "isa_epilogue.h"
 #endif

@@ -17,9 +17,5 @@ void adam_avx512(const Segment& s, Layout l, const Hyper& h) { run<Avx512Ops>(s,
 
 }  // namespace cpu_adam
 
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+#include "isa_epilogue.h"
 #endif

@@ -43,9 +43,5 @@ void adam_avx512_bf16(const Segment& s, Layout l, const Hyper& h) { run<Avx512Bf
 
 }  // namespace cpu_adam
 
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+#include "isa_epilogue.h"
 #endif

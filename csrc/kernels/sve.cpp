@@ -21,9 +21,5 @@ void adam_sve(const Segment& s, Layout l, const Hyper& h) { run<SveOps>(s, l, h)
 
 }  // namespace cpu_adam
 
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+#include "isa_epilogue.h"
 #endif

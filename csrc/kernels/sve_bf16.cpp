@@ -33,9 +33,5 @@ void adam_sve_bf16(const Segment& s, Layout l, const Hyper& h) { run<SveBf16Ops>
 
 }  // namespace cpu_adam
 
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+#include "isa_epilogue.h"
 #endif

@@ -5,7 +5,7 @@
 adam: every dtype layout with each option set (plain, bf16 output, output = bf16 grad,
 stochastic rounding, the probe, an 8-bit state wrapping the counter) at sizes around the vector
 widths and the 8-bit block, and inputs made of special bit patterns (NaN, inf, denormals, the
-largest float and bf16 values). overlap: the layouts ops.cpp meets (slices, interleaved and
+largest float and bf16 values). overlap: the layouts checks.cpp meets (slices, interleaved and
 column-block views, transposes, expanded grads) and a few that overlap.
 """
 
