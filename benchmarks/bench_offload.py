@@ -78,18 +78,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # The bare kernel on buffers of the same sizes and dtypes as the optimizer's. Its speed
     # depends on the data (real grads make subnormal moments, a slow path of the FPU), so on
     # the CPU each round it gets a copy of the real grads; on CUDA they are gone by then.
-    groups = [g for g in opt._groups if g is not None]
-    opt._sync_masters()  # the masters as the first step will see them: the weights, in the host layout
+    shards = [g for g, layout in enumerate(opt._layouts) if layout is not None]
+    opt._model.sync_masters(opt._store)  # the masters as the first step will see them: the weights, in the host layout
+    state = [opt._store.export(g) for g in shards]
     bare = [
         (
-            g.master.clone(),
-            torch.randn(g.layout.shard_numel).to(torch.bfloat16),
-            torch.zeros(g.layout.shard_numel, dtype=opt.state_dtype),
-            torch.zeros(g.layout.shard_numel, dtype=opt.state_dtype),
-            torch.zeros(g.layout.shard_numel, dtype=torch.bfloat16),
-            g.state_scales.clone() if g.state_scales is not None else None,
+            s["master"].clone(),
+            torch.randn(s["master"].numel()).to(torch.bfloat16),
+            torch.zeros(s["master"].numel(), dtype=opt.state_dtype),
+            torch.zeros(s["master"].numel(), dtype=opt.state_dtype),
+            torch.zeros(s["master"].numel(), dtype=torch.bfloat16),
+            s["state_scales"].clone() if "state_scales" in s else None,
         )
-        for g in groups
+        for s in state
     ]
     real_grads = device.type == "cpu"
 
@@ -133,8 +134,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         t1 = time.perf_counter()
         scale = 1.0
         if real_grads:  # and the same clipping scale: how small the moments get depends on it
-            for group, buffers in zip(groups, bare):
-                buffers[1].copy_(group.grads.tensor)
+            for g, buffers in zip(shards, bare):
+                buffers[1].copy_(opt._link.buffers[g].tensor)
             norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(b[1].float()) for b in bare]))
             scale = min(1.0, 1.0 / (float(norm) + 1e-6))
             t1 = time.perf_counter()

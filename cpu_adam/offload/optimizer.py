@@ -158,6 +158,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._dev, trainable, self._layouts, self._link, self._window, schedule_for(world, self._layouts)
         )
         self._stepper = Stepper(self._store, self._link, self._layouts, trainable)
+        self._rooms = checkpoint.Rooms(
+            self._layouts, self._store, self._model, self._link, self._dev, world, bucket_size, self.state_dtype
+        )
         # Wrappers that copy this __dict__ (Lightning's) are other objects: they must not close it.
         # An id, not a weak reference: the cycle collector clears those before __del__ runs.
         self._owner_id = id(self)
@@ -371,7 +374,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
-        state_dict = checkpoint.save(self)
+        scalars = checkpoint.Scalars(self.seed, self.skipped_steps, self.max_grad_norm)
+        state_dict = checkpoint.save(self._rooms, self.param_groups, scalars)
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             returned = post_hook(self, state_dict)
             if returned is not None:
@@ -391,7 +395,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             returned = pre_hook(self, state_dict)
             if returned is not None:
                 state_dict = returned
-        checkpoint.load(self, state_dict)
+        self.seed, self.skipped_steps, self.max_grad_norm = checkpoint.load(self._rooms, self.param_groups, state_dict)
         self._new_window()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)

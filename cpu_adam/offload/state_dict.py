@@ -10,7 +10,8 @@ A full state dict loads on any number of ranks, each taking its slice.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -18,13 +19,15 @@ from torch import Tensor
 from .._precision import MOMENTS, SCALES, converted_moments
 from .._validation import check_param_group, check_step_count, checked_seed
 from ..quant8 import BLOCK
+from .device import DeviceOps
 from .layout import FlatLayout, check_shard, from_legacy_layout, full_numel, full_to_shard
+from .link import Link
 from .options import checked_max_grad_norm
+from .params import ModelSide
+from .store import Store
+from .world import World
 
-if TYPE_CHECKING:
-    from .optimizer import OffloadOptimizer
-
-__all__ = ["LEGACY_FORMAT", "STATE_DICT_FORMAT", "load", "save"]
+__all__ = ["LEGACY_FORMAT", "STATE_DICT_FORMAT", "Rooms", "Scalars", "load", "save"]
 
 # Format 2 lays params out on 256-element boundaries (an 8-bit scale block); format 1 used 64.
 STATE_DICT_FORMAT = "cpu_adam.OffloadOptimizer/2"
@@ -32,37 +35,61 @@ LEGACY_FORMAT = "cpu_adam.OffloadOptimizer/1"
 _WHERE = "cpu_adam.OffloadOptimizer.load_state_dict"
 
 
-def save(opt: OffloadOptimizer) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Rooms:
+    """What the format reads and writes."""
+
+    layouts: list[FlatLayout | None]
+    store: Store
+    model: ModelSide
+    link: Link
+    dev: DeviceOps
+    world: World
+    bucket_size: int
+    state_dtype: torch.dtype
+
+
+class Scalars(NamedTuple):
+    """The optimizer's own saved values."""
+
+    seed: int
+    skipped_steps: int
+    max_grad_norm: float | None
+
+
+def save(rooms: Rooms, param_groups: list[dict[str, Any]], scalars: Scalars) -> dict[str, Any]:
     state = {}
-    for g, layout in enumerate(opt._layouts):
+    for g, layout in enumerate(rooms.layouts):
         if layout is None:
             continue
-        steps = opt._store.steps[g]
+        steps = rooms.store.steps[g]
         state[g] = {"step": max(steps), "param_steps": list(steps), "shapes": [tuple(s) for s in layout.shapes]}
         if any(steps):
-            opt._model.sync_masters(opt._store)
-            state[g].update(opt._store.export(g))
-    param_groups, index = [], 0
-    for options in opt.param_groups:
+            rooms.model.sync_masters(rooms.store)
+            state[g].update(rooms.store.export(g))
+    saved_groups, index = [], 0
+    for options in param_groups:
         saved = {k: v for k, v in options.items() if k != "params"}
         saved["params"] = list(range(index, index + len(options["params"])))
         index += len(options["params"])
-        param_groups.append(saved)
+        saved_groups.append(saved)
     state_dict = {
         "format": STATE_DICT_FORMAT,
         "state": state,
-        "param_groups": param_groups,
-        "seed": opt.seed,
-        "skipped_steps": opt.skipped_steps,
-        "max_grad_norm": opt.max_grad_norm,
+        "param_groups": saved_groups,
+        "seed": scalars.seed,
+        "skipped_steps": scalars.skipped_steps,
+        "max_grad_norm": scalars.max_grad_norm,
     }
-    if opt._world.size > 1:
-        state_dict["zero"] = {"rank": opt._world.rank, "world_size": opt._world.size, "bucket_size": opt.bucket_size}
+    world = rooms.world
+    if world.size > 1:
+        state_dict["zero"] = {"rank": world.rank, "world_size": world.size, "bucket_size": rooms.bucket_size}
     return state_dict
 
 
-def load(opt: OffloadOptimizer, state_dict: dict[str, Any]) -> None:
-    """Checks everything, then replaces the state and sets the device weights from the loaded masters."""
+def load(rooms: Rooms, param_groups: list[dict[str, Any]], state_dict: dict[str, Any]) -> Scalars:
+    """Checks everything, then replaces the state, the groups' options and the device weights (from the
+    loaded masters); returns the optimizer's loaded scalars."""
     legacy = state_dict.get("format") == LEGACY_FORMAT
     if state_dict.get("format") != STATE_DICT_FORMAT and not legacy:
         raise ValueError(f"{_WHERE}: not a {STATE_DICT_FORMAT} state dict (format {state_dict.get('format')!r})")
@@ -73,55 +100,56 @@ def load(opt: OffloadOptimizer, state_dict: dict[str, Any]) -> None:
             "load the full state dict"
         )
     saved_groups = state_dict["param_groups"]
-    if len(saved_groups) != len(opt.param_groups):
-        raise ValueError(f"the state dict has {len(saved_groups)} param groups, this optimizer {len(opt.param_groups)}")
-    _check_groups(opt._layouts, state_dict["state"])
+    if len(saved_groups) != len(param_groups):
+        raise ValueError(f"the state dict has {len(saved_groups)} param groups, this optimizer {len(param_groups)}")
+    _check_groups(rooms.layouts, state_dict["state"])
     max_grad_norm = checked_max_grad_norm(state_dict["max_grad_norm"])
     _check_loadable(state_dict)
     zero = state_dict.get("zero")
     problem: ValueError | None = None
     try:
         if zero is not None:
-            check_shard(zero, opt._world.rank, opt._world.size, opt.bucket_size)
+            check_shard(zero, rooms.world.rank, rooms.world.size, rooms.bucket_size)
         loaded = [
-            None if layout is None else _loaded_tensors(opt, g, layout, state_dict["state"][g], zero is None, legacy)
-            for g, layout in enumerate(opt._layouts)
+            None
+            if layout is None
+            else _loaded_tensors(rooms.state_dtype, g, layout, state_dict["state"][g], zero is None, legacy)
+            for g, layout in enumerate(rooms.layouts)
         ]
     except ValueError as error:
         problem = error
     # A rank that cannot load must not leave the others waiting in a collective.
-    opt._world.check_same(
+    rooms.world.check_same(
         "whether the state dict loads",
         problem is None,
         "the ranks where it does not load raised the reason: fix the state dict they were given",
     )
     if problem is not None:
         raise problem
-    opt._world.check_same(
+    rooms.world.check_same(
         "the kind of state dict loaded",
         zero is None,
         "every rank must load its own shard, or every rank the same full state dict",
     )
-    opt._link.wait_all()
-    opt._dev.synchronize()
+    rooms.link.wait_all()
+    rooms.dev.synchronize()
     with torch.no_grad():
-        for g, layout in enumerate(opt._layouts):
+        for g, layout in enumerate(rooms.layouts):
             if layout is None:
                 continue
             saved = state_dict["state"][g]
             steps = [int(x) for x in saved.get("param_steps", [saved["step"]] * len(layout.shapes))]
-            opt._store.load(g, loaded[g], steps)  # a group that had not stepped saves no moments, nor masters:
+            rooms.store.load(g, loaded[g], steps)  # a group that had not stepped saves no moments, nor masters:
             if not loaded[g]:  # they stay (the weights, or a handed-over model's values)
                 continue
-            opt._model.synced[g] = True
-            opt._link.weights_from(g, opt._store.master(g, slice(None)))
-            opt._model.note_versions(g)
-            opt._dev.synchronize()  # before the slots receive grads again
-    for options, saved in zip(opt.param_groups, saved_groups):
+            rooms.model.synced[g] = True
+            rooms.link.weights_from(g, rooms.store.master(g, slice(None)))
+            rooms.model.note_versions(g)
+            rooms.dev.synchronize()  # before the slots receive grads again
+    for options, saved in zip(param_groups, saved_groups):
         options.update({k: v for k, v in saved.items() if k != "params"})
-    opt.seed = opt._world.rank0_int(int(state_dict["seed"]), "rank 0's seed")  # shards of 0.2 may hold one per rank
-    opt.skipped_steps = int(state_dict["skipped_steps"])
-    opt.max_grad_norm = max_grad_norm
+    seed = rooms.world.rank0_int(int(state_dict["seed"]), "rank 0's seed")  # shards of 0.2 may hold one per rank
+    return Scalars(seed, int(state_dict["skipped_steps"]), max_grad_norm)
 
 
 def _check_groups(layouts: list[FlatLayout | None], state: dict[int, Any]) -> None:
@@ -146,7 +174,7 @@ def _check_loadable(state_dict: dict[str, Any]) -> None:
 
 
 def _loaded_tensors(
-    opt: OffloadOptimizer, g: int, layout: FlatLayout, saved: dict[str, Any], full: bool, legacy: bool
+    state_dtype: torch.dtype, g: int, layout: FlatLayout, saved: dict[str, Any], full: bool, legacy: bool
 ) -> dict[str, Tensor]:
     """This rank's masters and moments from a saved group, in the optimizer's precision.
 
@@ -169,7 +197,7 @@ def _loaded_tensors(
     if legacy:
         tensors = {name: from_legacy_layout(t, layout.shapes) for name, t in tensors.items()}
     moments = {name: t for name, t in tensors.items() if name != "master"}
-    tensors = {"master": tensors["master"], **converted_moments(moments, opt.state_dtype, torch.device("cpu"))}
+    tensors = {"master": tensors["master"], **converted_moments(moments, state_dtype, torch.device("cpu"))}
     if full:
         tensors = {name: full_to_shard(t, layout, per=BLOCK if name == SCALES else 1) for name, t in tensors.items()}
     return tensors
