@@ -1,7 +1,7 @@
 """ZeRO data parallelism for the offload optimizer: shard checkpoints, resharding, threads.
 
 ``OffloadOptimizer(..., process_group=pg)`` gives each rank 1/N of every flat group (see
-``_flat.py``); its ``state_dict()`` holds that shard plus a ``"zero"`` entry saying how it was
+``offload/layout.py``); its ``state_dict()`` holds that shard plus a ``"zero"`` entry saying how it was
 cut. ``consolidate_state_dict`` puts the N shards back into one full state dict, which is the
 single-process format: it loads on one process, and on any number of ranks, each taking its
 slice. Full state dicts store every param at its offset in the one-process layout, so they do
