@@ -47,7 +47,12 @@ def _register_fakes() -> None:
     def on_one_device(params, grads, exp_avgs, exp_avg_sqs, bf16_outs, *scalars) -> None:
         _check_one_device(params, grads, exp_avgs, exp_avg_sqs, bf16_outs)
 
-    for name in ("cpu_adam::adam_step_", "cpu_adam::check_adam_step", "cpu_adam::bandwidth_probe_"):
+    for name in (
+        "cpu_adam::adam_step_",
+        "cpu_adam::adam_preview_",
+        "cpu_adam::check_adam_step",
+        "cpu_adam::bandwidth_probe_",
+    ):
         torch.library.register_fake(name)(on_one_device)
 
 
@@ -107,6 +112,7 @@ def adam_step(
     counter_offsets: Sequence[int] | None = None,
     state_scales: Sequence[Tensor] | None = None,
     check_only: bool = False,
+    preview: bool = False,
 ) -> None:
     """One fused Adam/AdamW step over every tensor in the lists, in place.
 
@@ -124,7 +130,9 @@ def adam_step(
     Every argument is checked before anything is written: the step updates every
     tensor or raises and leaves them all as they were. ``check_only`` runs those
     checks and writes nothing, for callers that step in several calls and check
-    them all first.
+    them all first. ``preview`` writes the ``bf16_outs`` alone (one per param), bit
+    for bit as the step would, and leaves params and moments as they are: a step
+    computed before it is known whether it will be taken.
 
     8-bit moments (``cpu_adam.quant8``): ``exp_avgs`` and ``exp_avg_sqs`` are uint8 codes and
     ``state_scales[i]`` the float32 [2, ceil(numel / 256)] block scales of both, updated in place;
@@ -140,7 +148,7 @@ def adam_step(
         counter_offsets = []  # no random bits drawn
     elif counter_offsets is None:
         counter_offsets = back_to_back(params)
-    op = _ops().check_adam_step if check_only else _ops().adam_step_
+    op = _ops().check_adam_step if check_only else _ops().adam_preview_ if preview else _ops().adam_step_
     try:
         op(
             params,

@@ -81,6 +81,7 @@ inline std::string fold_hyper(const AdamScalars& a, Hyper& h) {
   h.beta2 = static_cast<float>(a.beta2);
   h.one_minus_beta2 = static_cast<float>(1.0 - a.beta2);
   h.stochastic_rounding = a.stochastic_rounding;
+  h.preview = false;
   h.probe = ProbeVariant::none;
   return error;
 }

@@ -54,15 +54,16 @@ std::vector<Tuple> stage(const TensorLists& lists) {
   return tuples;
 }
 
-// Non-contiguous inputs were updated in contiguous copies: write them back.
-void write_back(const TensorLists& lists, const std::vector<Tuple>& tuples) {
+// Non-contiguous inputs were updated in contiguous copies: write them back (the outputs alone after a preview).
+void write_back(const TensorLists& lists, const std::vector<Tuple>& tuples, bool preview) {
   const auto& [params, grads, exp_avgs, exp_avg_sqs, outs, scales] = lists;
   for (size_t i = 0; i < tuples.size(); ++i) {
     const Tuple& tu = tuples[i];
+    if (!outs->empty() && !(*outs)[i].is_same(tu.out)) (*outs)[i].copy_(tu.out);
+    if (preview) continue;
     if (!(*params)[i].is_same(tu.param)) (*params)[i].copy_(tu.param);
     if (!(*exp_avgs)[i].is_same(tu.exp_avg)) (*exp_avgs)[i].copy_(tu.exp_avg);
     if (!(*exp_avg_sqs)[i].is_same(tu.exp_avg_sq)) (*exp_avg_sqs)[i].copy_(tu.exp_avg_sq);
-    if (!outs->empty() && !(*outs)[i].is_same(tu.out)) (*outs)[i].copy_(tu.out);
     if (!scales->empty() && !(*scales)[i].is_same(tu.scales)) (*scales)[i].copy_(tu.scales);
   }
 }
@@ -160,12 +161,16 @@ void launch(const TensorLists& lists, const Hyper& h, int64_t seed, int64_t step
             const std::vector<int64_t>& counter_offsets) {
   check_tensors(lists, counter_offsets);
   const auto& [params, grads, exp_avgs, exp_avg_sqs, outs, scales] = lists;
+  TORCH_CHECK_VALUE(!h.preview || outs->size() == params->size(),
+                    "cpu_adam: a preview writes the new weights into bf16_outs alone: give one per param (got ",
+                    outs->size(), " for ", params->size(), " params)");
   std::vector<Tuple> tuples = stage(lists);
   run_all(tuples, h, seed, step, counter_offsets);
-  write_back(lists, tuples);
+  write_back(lists, tuples, h.preview);
   // As torch's in-place ops do: a backward through a graph that saved these tensors before the
   // step then fails instead of running on the new values.
-  for (const auto* written : {params, exp_avgs, exp_avg_sqs, outs, scales}) {
+  const std::vector<const std::vector<Tensor>*> stepped = {params, exp_avgs, exp_avg_sqs, outs, scales};
+  for (const auto* written : h.preview ? std::vector<const std::vector<Tensor>*>{outs} : stepped) {
     for (const Tensor& t : *written) torch::autograd::impl::bump_version(t);
   }
 }
@@ -189,6 +194,20 @@ void adam_step(const std::vector<Tensor>& params, const std::vector<Tensor>& gra
                const std::vector<int64_t>& counter_offsets, const std::vector<Tensor>& state_scales) {
   const Hyper h = adam_hyper(lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction1, bias_correction2,
                              grad_scale, stochastic_rounding, step);
+  launch({&params, &grads, &exp_avgs, &exp_avg_sqs, &bf16_outs, &state_scales}, h, seed, step, counter_offsets);
+}
+
+// The bf16 weights adam_step_ would write into bf16_outs, bit for bit, with params and moments left
+// as they are: a step computed ahead of knowing whether it will be taken.
+void adam_preview(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+                  const std::vector<Tensor>& exp_avgs, const std::vector<Tensor>& exp_avg_sqs,
+                  const std::vector<Tensor>& bf16_outs, double lr, double beta1, double beta2, double eps,
+                  double weight_decay, bool adamw_mode, double bias_correction1, double bias_correction2,
+                  double grad_scale, bool stochastic_rounding, int64_t seed, int64_t step,
+                  const std::vector<int64_t>& counter_offsets, const std::vector<Tensor>& state_scales) {
+  Hyper h = adam_hyper(lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction1, bias_correction2, grad_scale,
+                       stochastic_rounding, step);
+  h.preview = true;
   launch({&params, &grads, &exp_avgs, &exp_avg_sqs, &bf16_outs, &state_scales}, h, seed, step, counter_offsets);
 }
 
@@ -250,6 +269,11 @@ TORCH_LIBRARY(cpu_adam, m) {
       "bool adamw_mode, float bias_correction1, float bias_correction2, float grad_scale, "
       "bool stochastic_rounding, int seed, int step, int[] counter_offsets, Tensor[] state_scales) -> ()");
   m.def(
+      "adam_preview_(Tensor[] params, Tensor[] grads, Tensor[] exp_avgs, Tensor[] exp_avg_sqs, "
+      "Tensor(d!)[] bf16_outs, float lr, float beta1, float beta2, float eps, float weight_decay, "
+      "bool adamw_mode, float bias_correction1, float bias_correction2, float grad_scale, "
+      "bool stochastic_rounding, int seed, int step, int[] counter_offsets, Tensor[] state_scales) -> ()");
+  m.def(
       "bandwidth_probe_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
       "Tensor(d!)[] bf16_outs, Tensor(e!)[] state_scales, str variant) -> ()");
   m.def("compiled_isas() -> str[]", &compiled_isa_names);
@@ -261,6 +285,7 @@ TORCH_LIBRARY(cpu_adam, m) {
 
 TORCH_LIBRARY_IMPL(cpu_adam, CPU, m) {
   m.impl("adam_step_", &adam_step);
+  m.impl("adam_preview_", &adam_preview);
   m.impl("check_adam_step", &check_adam_step);
   m.impl("bandwidth_probe_", &bandwidth_probe);
 }
@@ -268,6 +293,7 @@ TORCH_LIBRARY_IMPL(cpu_adam, CPU, m) {
 // The fallback for every backend without a kernel of its own (see check_dense_cpu).
 TORCH_LIBRARY_IMPL(cpu_adam, CompositeExplicitAutograd, m) {
   m.impl("adam_step_", &adam_step);
+  m.impl("adam_preview_", &adam_preview);
   m.impl("check_adam_step", &check_adam_step);
   m.impl("bandwidth_probe_", &bandwidth_probe);
 }

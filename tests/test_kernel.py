@@ -12,9 +12,9 @@ import warnings
 
 import pytest
 import torch
-from conftest import DTYPES, FP32_UNIT_ROUNDOFF, LAYOUTS, assert_same_bits, flushed, vector_isas
+from conftest import DTYPES, FP32_UNIT_ROUNDOFF, LAYOUTS, assert_same_bits, flushed, raw, vector_isas
 
-from cpu_adam import CPUAdam, _compiled_step, _threads, ops
+from cpu_adam import CPUAdam, _compiled_step, _threads, ops, quant8
 from cpu_adam.reference import adam_reference
 
 # Around every vector width (8, 16) and tail, the 4096-element thread block, and
@@ -760,3 +760,49 @@ def test_bandwidth_probe_refuses_unknown_variant() -> None:
     t = torch.zeros(4)
     with pytest.raises(ValueError, match="plain, prefetched"):
         ops.bandwidth_probe([t], [t.clone()], [t.clone()], [t.clone()], variant="fast")
+
+
+PREVIEW_LAYOUTS = [*LAYOUTS, ("f32", "bf16", "q8"), ("bf16", "bf16", "q8")]
+
+
+def _preview_case(n: int, layout: tuple[str, str, str], seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(param, grad, exp_avg, exp_avg_sq) and the 8-bit block scales (none for float states)."""
+    if layout[2] != "q8":
+        return make_tuple(n, layout, seed), []
+    param, grad, exp_avg, exp_avg_sq = make_tuple(n, (*layout[:2], "f32"), seed)
+    codes_m, codes_v, scales = quant8.quantize_moments(exp_avg, exp_avg_sq.abs())
+    return [param, grad, codes_m, codes_v], [scales]
+
+
+@pytest.mark.parametrize("layout", PREVIEW_LAYOUTS, ids="-".join)
+def test_a_preview_writes_the_steps_bf16_weights_and_nothing_else(isa: str, layout: tuple[str, str, str]) -> None:
+    variants = [
+        {"step": 3, "weight_decay": 0.1, "grad_scale": 0.37},
+        {"step": 7, "weight_decay": 0.1, "adamw_mode": False},
+        {"step": 2, "stochastic_rounding": True, "seed": 9},
+    ]
+    for n in (1, 17, 129, 4097, 70001):
+        tensors, scales = _preview_case(n, layout, seed=n)
+        for v in variants:
+            kwargs = {**HYPER, **v, "state_scales": [s.clone() for s in scales] or None}
+            stepped = [t.clone() for t in tensors]
+            out = torch.full_like(tensors[0], float("nan"), dtype=torch.bfloat16)
+            ops.adam_step(*([t] for t in stepped), bf16_outs=[out], **kwargs)
+            previewed = [t.clone() for t in tensors]
+            preview_out = torch.full_like(out, float("nan"))
+            versions = [t._version for t in previewed]
+            kwargs["state_scales"] = [s.clone() for s in scales] or None
+            ops.adam_step(*([t] for t in previewed), bf16_outs=[preview_out], preview=True, **kwargs)
+            assert_same_bits(preview_out, out, f"{isa} n={n} {v}")
+            for name, before, after in zip(("param", "grad", "exp_avg", "exp_avg_sq"), tensors, previewed):
+                assert torch.equal(raw(before), raw(after)), f"a preview wrote {name}"
+            assert [t._version for t in previewed] == versions, "a preview bumps only the outputs' versions"
+            assert all(torch.equal(a, b) for a, b in zip(kwargs["state_scales"] or [], scales))
+            if n == 70001:
+                assert not torch.equal(raw(stepped[2]), raw(tensors[2])), "the step itself moves the moments"
+
+
+def test_a_preview_needs_an_output_for_each_param() -> None:
+    p, g, m, v = make_tuple(8, ("f32", "f32", "f32"), 0)
+    with pytest.raises(ValueError, match="one per param"):
+        ops.adam_step([p], [g], [m], [v], step=1, preview=True, **HYPER)

@@ -95,22 +95,24 @@ inline void update(int64_t i, const Segment& s, const Hyper& h, V ops = {}) {
   const F denom = V::add(V::mul(root, V::set1(h.inv_bc2_sqrt)), V::set1(h.eps));
   p = V::sub(p, V::mul(V::set1(h.step_size), V::div(m, denom)));
 
-  if constexpr (is_bf16<S>) {
-    ops.store16(exp_avg, V::bf16_nearest(m));
-    ops.store16(exp_avg_sq, V::bf16_nearest(v));
-  } else {
-    ops.store(exp_avg, m);
-    ops.store(exp_avg_sq, kRoot ? root : v);
+  if (!h.preview) {
+    if constexpr (is_bf16<S>) {
+      ops.store16(exp_avg, V::bf16_nearest(m));
+      ops.store16(exp_avg_sq, V::bf16_nearest(v));
+    } else {
+      ops.store(exp_avg, m);
+      ops.store(exp_avg_sq, kRoot ? root : v);
+    }
   }
   // The output may alias a bf16 grad: the grad was loaded above.
   if constexpr (is_bf16<P>) {
     const H bits = h.stochastic_rounding
                        ? V::bf16_stochastic(p, V::random16(s.first_counter + static_cast<uint32_t>(i), s.rng_key))
                        : V::bf16_nearest(p);
-    ops.store16(param, bits);
+    if (!h.preview) ops.store16(param, bits);
     if (s.bf16_out) ops.store16(s.bf16_out + i, bits);
   } else {
-    ops.store(param, p);
+    if (!h.preview) ops.store(param, p);
     if (s.bf16_out) ops.store16(s.bf16_out + i, V::bf16_nearest(p));
   }
 }
@@ -210,8 +212,10 @@ void run_q8_segment(const Segment& segment, const Hyper& h) {
       adam(start, 0, wrap, s.rng_key);
       adam(start, wrap, n, s.rng_key_after_wrap);
     }
-    encode_block({m, u, n, m_codes + start, u_codes + start}, s.first_counter + static_cast<uint32_t>(start), s.rng_key,
-                 wrap, s.rng_key_after_wrap, &s.exp_avg_scale[b], &s.exp_avg_sq_scale[b]);
+    if (!h.preview) {
+      encode_block({m, u, n, m_codes + start, u_codes + start}, s.first_counter + static_cast<uint32_t>(start),
+                   s.rng_key, wrap, s.rng_key_after_wrap, &s.exp_avg_scale[b], &s.exp_avg_sq_scale[b]);
+    }
   }
 }
 

@@ -57,6 +57,7 @@ struct Hyper {
   float beta2;
   float one_minus_beta2;
   bool stochastic_rounding;  // bf16 param stores only
+  bool preview;              // the new weights into bf16_out alone: params and moments are not written
   ProbeVariant probe;        // none: the Adam step
 };
 
