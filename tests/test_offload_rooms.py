@@ -140,4 +140,4 @@ def test_each_slot_goes_through_explicit_states(monkeypatch: pytest.MonkeyPatch)
     assert Slot.RECEIVING in set(link.slots.values())
     receiving = next(key for key, state in link.slots.items() if state == Slot.RECEIVING)
     with pytest.raises(RuntimeError, match="uploaded while its grads land"):
-        link._upload(*receiving, [True] * len(opt._model.params[0]))
+        link._upload(*receiving, [True] * len(opt._model.params[0]), link.buffers[receiving[0]].tensor)

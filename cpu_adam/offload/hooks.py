@@ -23,6 +23,7 @@ from torch import Tensor
 from .device import DeviceOps
 from .layout import FlatLayout
 from .link import Link
+from .overlap import BackwardOverlap, NoOverlap
 from .placeholder import OffloadedGrad, placeholder
 from .schedule import Key, Schedule
 from .window import Window
@@ -39,6 +40,7 @@ class Hooks:
         link: Link,
         window: Window,
         schedule: Schedule,
+        overlap: NoOverlap | BackwardOverlap,
     ) -> None:
         self._dev = dev
         self._params = params
@@ -46,6 +48,7 @@ class Hooks:
         self._link = link
         self._window = window
         self._schedule = schedule
+        self._overlap = overlap
         self._staging: dict[Key, Tensor] = {}  # buckets being packed since they were last sent
         self._packed: dict[Key, set[int]] = {}  # the params packed into each staging area
         self._running: set[int] = set()  # graph tasks with our callback queued that have not ended
@@ -100,6 +103,7 @@ class Hooks:
                 self._send(due)
 
     def _open(self, key: Key) -> None:
+        self._overlap.before_reuse(*key)
         self._window.fold(*key)
         self._staging[key] = self._link.staging_area(*key)
         self._packed[key] = set()
@@ -119,6 +123,7 @@ class Hooks:
                     staging[lo - bucket.start : hi - bucket.start].zero_()
         landing = self._link.down(g, b, staging, take_norms=self._window.first_landing(g, b))
         self._window.landed(g, b, landing)
+        self._overlap.landed(g, b, landing)
 
     def _track_graph_task(self) -> None:
         task = torch._C._current_graph_task_id()

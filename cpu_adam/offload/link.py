@@ -172,13 +172,14 @@ class Link:
         """Where the kernel writes param ``i``'s new bf16 weights ``part``: its storage (``direct``), or the slot."""
         return self._params[g][i].detach().view(-1)[part] if self.direct else self.buffers[g].tensor[host]
 
-    def up(self, g: int, b: int, wanted: list[bool]) -> None:
-        """Puts this rank's new bf16 weights of bucket ``b`` (the kernel's outputs) into the params ``wanted``.
+    def up(self, g: int, b: int, wanted: list[bool], source: Tensor | None = None) -> None:
+        """Puts this rank's new bf16 weights of bucket ``b`` into the params ``wanted``: the kernel's outputs, or
+        those in ``source`` (a host buffer laid out as the slots).
 
         Call on the side stream, so the upload waits for what the compute stream still does with the weights.
         """
-        if not self.direct:
-            self._upload(g, b, wanted)
+        if source is not None or not self.direct:
+            self._upload(g, b, wanted, self.buffers[g].tensor if source is None else source)
 
     def weights_from(self, g: int, values: Tensor) -> None:
         """Every param of group ``g`` set to ``values`` (this rank's shard) rounded to bf16, as the kernel rounds."""
@@ -188,16 +189,16 @@ class Link:
                 self.writable(g, b).copy_(values[where[1]])
         with self._dev.side_stream():
             for b in range(len(self._layouts[g].buckets)):
-                self._upload(g, b, [True] * len(self._params[g]))
+                self._upload(g, b, [True] * len(self._params[g]), self.buffers[g].tensor)
 
-    def _upload(self, g: int, b: int, wanted: list[bool]) -> None:
+    def _upload(self, g: int, b: int, wanted: list[bool], source: Tensor) -> None:
         layout = self._layouts[g]
         piece, bucket = layout.pieces[b], layout.buckets[b]
         if bucket.numel == 0:
             return
         if self.slots[(g, b)] == Slot.RECEIVING:
             raise RuntimeError(f"cpu_adam.OffloadOptimizer: bucket {b} of group {g} is uploaded while its grads land")
-        host = self.buffers[g].tensor[piece.host : piece.host + piece.numel]
+        host = source[piece.host : piece.host + piece.numel]
         into, mine = self._dev.piece_on_device(host, bucket.numel, piece.flat - bucket.start)
         gathered = self._world.all_gather(mine, into=into)
         targets, sources = [], []
@@ -208,8 +209,9 @@ class Link:
                 sources.append(gathered[lo - bucket.start : hi - bucket.start])
         if targets:  # one launch on the device for all the bucket's params, small ones included
             torch._foreach_copy_(targets, sources, non_blocking=True)
-        self.slots[(g, b)] = Slot.UPLOADING
-        self._events[(g, b)] = self._dev.record()
+        if source is self.buffers[g].tensor:
+            self.slots[(g, b)] = Slot.UPLOADING
+            self._events[(g, b)] = self._dev.record()
 
     def close(self) -> None:
         self._dev.synchronize()

@@ -31,6 +31,7 @@ from .hooks import Hooks
 from .layout import FlatLayout
 from .link import Link
 from .options import DEFAULT_BUCKET_SIZE, check_options, checked_max_grad_norm
+from .overlap import overlap_for
 from .params import ModelSide, check_no_shared_memory, check_params, check_unclaimed, claim, param_groups, release
 from .placeholder import OffloadedGrad
 from .schedule import schedule_for
@@ -93,6 +94,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         stochastic_rounding: bool = False,
         seed: int | None = None,
         device: str | torch.device | None = None,
+        overlap: str = "none",
     ) -> None:
         check_hyper_parameters(OWNER, lr, betas, eps, weight_decay)
         self.state_precision = resolved_precision(OWNER, state_precision, fp32_optimizer_states)
@@ -109,6 +111,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.stochastic_rounding = stochastic_rounding
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
+        self.last_step_overlapped = False  # whether the last step's previews held (overlap="backward")
         # Seconds the last step spent waiting for grads to come down, on the norm, on the kernel.
         self.step_timings: dict[str, float] = {}
         self.bucket_size = bucket_size
@@ -154,10 +157,26 @@ class OffloadOptimizer(torch.optim.Optimizer):
             check_params(trainable)
         self._link = Link(self._dev, world, self._layouts, trainable, max_inflight_buckets)
         self._window = Window(world, self._link, self._layouts)
-        self._hooks = Hooks(
-            self._dev, trainable, self._layouts, self._link, self._window, schedule_for(world, self._layouts)
-        )
         self._stepper = Stepper(self._store, self._link, self._layouts, trainable)
+        self._overlap = overlap_for(
+            overlap,
+            self._dev,
+            world,
+            self._layouts,
+            self._window,
+            self._stepper,
+            self._link,
+            lambda g, scale: self._hyper(self.param_groups[g], scale),
+        )
+        self._hooks = Hooks(
+            self._dev,
+            trainable,
+            self._layouts,
+            self._link,
+            self._window,
+            schedule_for(world, self._layouts),
+            self._overlap,
+        )
         self._rooms = checkpoint.Rooms(
             self._layouts, self._store, self._model, self._link, self._dev, world, bucket_size, self.state_dtype
         )
@@ -221,9 +240,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
             return loss  # no grads: like torch's optimizers, leave every param as it is
         t0 = time.perf_counter()
         self._link.wait_all()
+        self._overlap.settle()  # the previews of this window (and the last step's commits)
         t1 = time.perf_counter()
         self._model.check_storage()
-        self._model.sync_masters(self._store)
+        synced = self._model.sync_masters(self._store)
+        self.last_step_overlapped = False
         finished = self._window.finish(self.max_grad_norm)
         self.last_grad_norm = finished.norm
         t2 = time.perf_counter()
@@ -240,17 +261,22 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 for o, layout in zip(self.param_groups, self._layouts)
             ]
             self._stepper.check(hypers, finished.got)
+            previews = self._overlap.previews(hypers, finished, synced)
+            self.last_step_overlapped = previews is not None
             with self._dev.side_stream():  # uploads wait for what the compute stream still does with the weights
                 for g, hyper in enumerate(hypers):
                     if hyper is None:
                         continue
                     for chunk in self._stepper.chunks[g]:  # each chunk's uploads overlap the next chunk's compute
-                        self._stepper.step(chunk, hyper, finished.grads, finished.got[g])
+                        if previews is None:
+                            self._stepper.step(chunk, hyper, finished.grads, finished.got[g])
                         for b in range(chunk.first, chunk.last):
-                            self._link.up(g, b, finished.got[g])
+                            self._link.up(g, b, finished.got[g], None if previews is None else previews[g])
                     self._model.note_versions(g)  # the optimizer's own writes
                 event = self._dev.record()
             self._dev.compute_waits(event)
+            if previews is not None:
+                self._overlap.commit(hypers, finished)  # the state, while the next forward runs
         self._new_window()
         self.step_timings = {"grads_wait_s": t1 - t0, "norm_s": t2 - t1, "adam_s": time.perf_counter() - t2}
         return loss
@@ -272,6 +298,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def _new_window(self) -> None:
         self._window.reset()
         self._hooks.reset()
+        self._overlap.reset()
 
     def _warn_no_grads(self) -> None:
         if not self._warned_no_grads:
@@ -316,6 +343,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._closed = True
         self._hooks.remove()
         self.zero_grad()  # no placeholder grads left on the params
+        self._overlap.close()
         self._link.close()
         release(self._model.params, self)
 
@@ -328,6 +356,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 "cpu_adam.OffloadOptimizer.master_weights: with a process group each rank holds a shard of the "
                 "masters; gather the ranks' state_dict() and use cpu_adam.distributed.consolidate_state_dict"
             )
+        self._overlap.settle()
         self._model.sync_masters(self._store)
         return [
             self._store.master(g, slice(*layout.param_range(i))).view(shape)
@@ -343,7 +372,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         master, states = self._store.nbytes()
         pinned = self._link.pinned_bytes
         accumulator = self._window.accumulator_bytes
-        host = master + states + pinned + accumulator
+        overlap = self._overlap.extra_bytes
+        host = master + states + pinned + accumulator + overlap
         return {
             "params": params,
             "world_size": self._world.size,
@@ -355,6 +385,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             "pinned_bytes": pinned,
             "pinned": self._link.pinned,
             "accumulator_bytes": accumulator,
+            "overlap_bytes": overlap,  # the previews' bf16 weights with overlap="backward"
             "weights_bytes": sum(p.numel() * p.element_size() for ps in self._model.params for p in ps),
             "device_bytes": self._dev.held_bytes,
             "device_peak_bytes": self._dev.peak_bytes,
@@ -374,6 +405,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
+        self._overlap.settle()
         scalars = checkpoint.Scalars(self.seed, self.skipped_steps, self.max_grad_norm)
         state_dict = checkpoint.save(self._rooms, self.param_groups, scalars)
         for post_hook in self._optimizer_state_dict_post_hooks.values():
@@ -395,6 +427,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             returned = pre_hook(self, state_dict)
             if returned is not None:
                 state_dict = returned
+        self._overlap.settle()
         self.seed, self.skipped_steps, self.max_grad_norm = checkpoint.load(self._rooms, self.param_groups, state_dict)
         self._new_window()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():

@@ -139,8 +139,11 @@ class ModelSide:
     def _written_since(self, g: int) -> set[int]:
         return {i for i, (p, seen) in enumerate(zip(self.params[g], self._versions[g])) if p._version != seen}
 
-    def sync_masters(self, store: Store) -> None:
-        """Masters from the weights: all of them before the first step, then those written by others."""
+    def sync_masters(self, store: Store) -> bool:
+        """Masters from the weights: all of them before the first step, then those written by others.
+
+        Returns whether any master changed."""
+        changed = False
         for g, layout in enumerate(self._layouts):
             if layout is None:
                 continue
@@ -151,14 +154,17 @@ class ModelSide:
                 for i, part, host in layout.piece_segments(b):
                     if written is None:
                         store.write_master(g, host, self.weights(g, i)[part])
+                        changed = True
                     elif i in written:
                         weights = self.weights(g, i)[part].to("cpu")
                         # The weights written back as they were (model.load_state_dict(model.state_dict())):
                         # the master keeps the bits below bf16's.
                         if not torch.equal(weights, store.master(g, host).to(torch.bfloat16)):
                             store.write_master(g, host, weights)
+                            changed = True
             self.synced[g] = True
             self.note_versions(g)
+        return changed
 
     def check_storage(self) -> None:
         """Params changed after construction (dtype, device, shape) would be trained wrongly: refuse."""

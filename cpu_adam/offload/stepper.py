@@ -46,20 +46,8 @@ class Stepper:
         self._params = params
         self._offsets = [[] if layout is None else canonical_offsets(layout.shapes) for layout in layouts]
         self.chunks = [[] if layout is None else _chunks(g, layout, KERNEL_CHUNK) for g, layout in enumerate(layouts)]
-        self._segments = {
-            chunk: [
-                (i, part, host, b)
-                for b in range(chunk.first, chunk.last)
-                for i, part, host in layouts[g].piece_segments(b)
-            ]
-            for g, chunks in enumerate(self.chunks)
-            for chunk in chunks
-        }
-        self._members = {
-            chunk: [i for i, b in enumerate(layouts[g].bucket_of) if chunk.first <= b < chunk.last]
-            for g, chunks in enumerate(self.chunks)
-            for chunk in chunks
-        }
+        self._segments: dict[Chunk, list[Segment]] = {}
+        self._members: dict[Chunk, list[int]] = {}
         # The kernel lists of chunks whose params all step alike with un-accumulated grads, kept
         # while the params keep their storage (a direct step writes into it).
         self._lists: dict[Chunk, tuple[list, ...]] = {}
@@ -74,18 +62,62 @@ class Stepper:
 
     def step(self, chunk: Chunk, hyper: dict[str, Any], grads: dict[tuple[int, int], Tensor], got: list[bool]) -> None:
         """Adam on ``chunk`` with ``hyper`` (its ``grad_scale`` included) over the params that ``got`` a grad."""
-        g = chunk.group
-        self._check_storage(g)
-        for step, tensors in self._lists_by_step(chunk, grads, got).items():
-            adam_step(
-                *tensors[:4],
-                bf16_outs=tensors[4],
+        self._check_storage(chunk.group)
+        run(self.calls(chunk, hyper, grads, got))
+        self.advance(chunk, got)
+
+    def calls(
+        self,
+        chunk: Chunk,
+        hyper: dict[str, Any],
+        grads: dict[tuple[int, int], Tensor],
+        got: list[bool],
+        *,
+        outputs: Tensor | None = None,
+        weights: bool = True,
+    ) -> list[dict[str, Any]]:
+        """The kernel calls of a step of ``chunk``, to run now or later (``run``).
+
+        The new bf16 weights go where the link wants them, or into ``outputs`` (a host buffer in
+        the layout of the link's), or nowhere (``weights=False``: the state alone).
+        """
+        return [
+            dict(
+                params=tensors[0],
+                grads=tensors[1],
+                exp_avgs=tensors[2],
+                exp_avg_sqs=tensors[3],
+                bf16_outs=tensors[4] if weights else None,
                 counter_offsets=tensors[5],
                 state_scales=tensors[6],
                 step=step,
                 **hyper,
             )
-        self._store.advance(g, [i for i in self._members[chunk] if got[i]])
+            for step, tensors in self._lists_by_step(chunk, grads, got, outputs, weights).items()
+        ]
+
+    def advance(self, chunk: Chunk, got: list[bool]) -> None:
+        """The step counts of ``chunk``'s params that ``got`` a grad, once their kernel calls have run."""
+        self._store.advance(chunk.group, [i for i in self.members_of(chunk) if got[i]])
+
+    def steps(self, g: int) -> list[int]:
+        """Each param's step count (steps taken)."""
+        return self._store.steps[g]
+
+    def members_of(self, chunk: Chunk) -> list[int]:
+        """The params of ``chunk``'s buckets."""
+        if chunk not in self._members:
+            bucket_of = self._layouts[chunk.group].bucket_of
+            self._members[chunk] = [i for i, b in enumerate(bucket_of) if chunk.first <= b < chunk.last]
+        return self._members[chunk]
+
+    def _segments_of(self, chunk: Chunk) -> list[Segment]:
+        if chunk not in self._segments:
+            layout = self._layouts[chunk.group]
+            self._segments[chunk] = [
+                (i, part, host, b) for b in range(chunk.first, chunk.last) for i, part, host in layout.piece_segments(b)
+            ]
+        return self._segments[chunk]
 
     def _check_storage(self, g: int) -> None:
         storage = [p.data_ptr() for p in self._params[g]]
@@ -95,7 +127,12 @@ class Stepper:
                 self._lists.pop(chunk, None)
 
     def _lists_by_step(
-        self, chunk: Chunk, grads: dict[tuple[int, int], Tensor], got: list[bool]
+        self,
+        chunk: Chunk,
+        grads: dict[tuple[int, int], Tensor],
+        got: list[bool],
+        outputs: Tensor | None,
+        weights: bool,
     ) -> dict[int, tuple[list, ...]]:
         """The kernel's (masters, grads, exp_avgs, exp_avg_sqs, bf16_outs, counter offsets, state scales), by step.
 
@@ -103,36 +140,48 @@ class Stepper:
         except where the kernel writes straight into each param's storage.
         """
         g = chunk.group
-        segments = self._segments[chunk]
+        segments = self._segments_of(chunk)
         plan = [s for s in segments if got[s[0]]]
         steps = {self._store.steps[g][i] + 1 for i, *_ in plan}  # the step being taken
         buffer = self._link.buffers[g].tensor
-        reusable = len(plan) == len(segments) and len(steps) == 1
+        cached = outputs is None and weights
+        reusable = cached and len(plan) == len(segments) and len(steps) == 1
         reusable = reusable and all(grads[(g, b)] is buffer for b in range(chunk.first, chunk.last))
         if reusable and chunk in self._lists:
             return {steps.pop(): self._lists[chunk]}
+        per_param = cached and self._link.direct
         by_step: dict[int, list[list]] = {}
         for i, part, host, b in plan:
             runs = by_step.setdefault(self._store.steps[g][i] + 1, [])
-            if not self._link.direct and runs and runs[-1][3] == b and runs[-1][4] == i - 1:
+            if not per_param and runs and runs[-1][3] == b and runs[-1][4] == i - 1:
                 runs[-1][0], runs[-1][4] = slice(runs[-1][0].start, host.stop), i
             else:
                 runs.append([host, part, i, b, i])  # its first param's part (where its counters start), its last param
         out = {}
         for step, runs in by_step.items():
             views = [self._store.views(g, h) for h, *_ in runs]
+            if outputs is not None:
+                outs = [outputs[h] for h, *_ in runs]
+            else:
+                outs = [self._link.outputs(g, i, part, h) for h, part, i, _, _ in runs] if weights else []
             out[step] = (
                 [v.master for v in views],
                 [grads[(g, b)][h] for h, _, _, b, _ in runs],
                 [v.exp_avg for v in views],
                 [v.exp_avg_sq for v in views],
-                [self._link.outputs(g, i, part, h) for h, part, i, _, _ in runs],
+                outs,
                 [group_counter_base(g) + self._offsets[g][i] + part.start for _, part, i, _, _ in runs],
                 [v.scales for v in views] if views and views[0].scales is not None else [],
             )
         if reusable:
             self._lists[chunk] = next(iter(out.values()))
         return out
+
+
+def run(calls: list[dict[str, Any]], *, preview: bool = False) -> None:
+    """Runs kernel calls made by ``Stepper.calls`` (``preview``: the bf16 weights alone, no state written)."""
+    for kwargs in calls:
+        adam_step(**kwargs, preview=preview)
 
 
 def _chunks(g: int, layout: FlatLayout, size: int) -> list[Chunk]:

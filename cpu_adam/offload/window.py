@@ -69,6 +69,10 @@ class Window:
     def first_landing(self, g: int, b: int) -> bool:
         return self._landings[(g, b)] == 0
 
+    def landings(self, g: int, b: int) -> int:
+        """Contributions bucket ``b`` received in this window."""
+        return self._landings[(g, b)]
+
     def landed(self, g: int, b: int, landing: Landing) -> None:
         self._landings[(g, b)] += 1
         if landing.sq is not None:

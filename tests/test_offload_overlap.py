@@ -1,0 +1,193 @@
+"""overlap="backward": the step previewed while backward runs is invisible, whatever happens before step().
+
+Every test trains a twin with overlap="none" on the same inputs and compares every bit the user
+can see: weights after each step, the state dict, the norms. A cause of mis-speculation must drop
+the previews (the step then runs serially), and a plain step must take them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from conftest import raw
+from offload_helpers import CopyingCPU, FailingBackward, batches, lm_loss, loss_failing_midway, make_model
+
+from cpu_adam import OffloadOptimizer, offload
+
+HYPER = dict(lr=1e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01, bucket_size=1024)
+STEPS = 5
+
+Event = Callable[[torch.nn.Module, OffloadOptimizer, int], None]  # what happens between backward and step()
+
+
+def _train(overlap: str, before_step: Event | None = None, micro: int = 1, **options: Any) -> tuple[list, list[bool]]:
+    model = make_model(0)
+    opt = OffloadOptimizer(model.parameters(), **HYPER, overlap=overlap, **options)
+    seen, held = [], []
+    data = batches(STEPS * micro)
+    for step in range(STEPS):
+        for tokens in data[step * micro : (step + 1) * micro]:
+            lm_loss(model, tokens).backward()
+        if before_step is not None:
+            before_step(model, opt, step)
+        opt.step()
+        opt.zero_grad()
+        held.append(opt.last_step_overlapped)
+        seen += [raw(p) for p in model.parameters()] + [opt.last_grad_norm]
+    state = opt.state_dict()
+    seen += [raw(t) if isinstance(t, torch.Tensor) else t for g in state["state"].values() for t in g.values()]
+    opt.close()
+    return seen, held
+
+
+def _same(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("device", ["cpu", "copying"])
+@pytest.mark.parametrize(
+    "options", [{}, {"state_precision": "8bit"}, {"master_weights_dtype": torch.bfloat16, "stochastic_rounding": True}]
+)
+def test_plain_steps_take_the_previews_and_equal_the_serial_step(
+    monkeypatch: pytest.MonkeyPatch, device: str, options: dict
+):
+    if device == "copying":
+        monkeypatch.setattr(offload.optimizer, "DeviceOps", CopyingCPU)
+    serial, _ = _train("none", **options)
+    overlapped, held = _train("backward", **options)
+    assert _same(overlapped, serial)
+    assert held == [False] + [True] * (STEPS - 1), "the first step syncs the masters; every later one overlaps"
+
+
+def _lr_changed(model, opt, step) -> None:
+    opt.param_groups[0]["lr"] *= 0.5
+
+
+def _weights_written(model, opt, step) -> None:
+    with torch.no_grad():
+        model.fc1.weight.mul_(0.5)
+
+
+def _clipped_by_hand(model, opt, step) -> None:
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+
+
+def _reloaded(model, opt, step) -> None:
+    opt.load_state_dict(opt.state_dict())
+
+
+def _non_finite(model, opt, step) -> None:
+    if step == 2:
+        for p in model.parameters():
+            p.grad.mul_(float("inf"))
+
+
+@pytest.mark.parametrize(
+    ("event", "options", "micro"),
+    [
+        (_lr_changed, {}, 1),
+        (_weights_written, {}, 1),
+        (_clipped_by_hand, {}, 1),
+        (None, {"max_grad_norm": 0.05}, 1),
+        (None, {}, 2),  # accumulation: the second micro-batch lands on every bucket again
+        (_reloaded, {}, 1),
+        (_non_finite, {}, 1),
+    ],
+    ids=[
+        "lr changed",
+        "weights written",
+        "clip_grad_norm_",
+        "max_grad_norm",
+        "accumulation",
+        "load_state_dict",
+        "non-finite",
+    ],
+)
+def test_each_mis_speculation_drops_the_previews_and_equals_the_serial_step(event, options: dict, micro: int):
+    serial, _ = _train("none", event, micro, **options)
+    overlapped, held = _train("backward", event, micro, **options)
+    assert _same(overlapped, serial)
+    assert not any(held[1:]) or event is _non_finite
+    if event is _non_finite:
+        assert not held[2] and held[3:] == [True] * (STEPS - 3)
+
+
+def test_clip_grad_norm_that_does_not_clip_keeps_the_previews():
+    def unclipped(model, opt, step) -> None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e6)
+
+    serial, _ = _train("none", unclipped)
+    overlapped, held = _train("backward", unclipped)
+    assert _same(overlapped, serial) and all(held[1:])
+
+
+def test_a_state_dict_between_steps_waits_for_the_commits():
+    dicts = {}
+    for overlap in ("none", "backward"):
+        model = make_model(0)
+        opt = OffloadOptimizer(model.parameters(), **HYPER, overlap=overlap)
+        for tokens in batches(3):
+            lm_loss(model, tokens).backward()
+            opt.step()
+        dicts[overlap] = [raw(t) for t in opt.state_dict()["state"][0].values() if isinstance(t, torch.Tensor)]
+        dicts[overlap] += [raw(m) for m in opt.master_weights()]
+        opt.close()
+    assert _same(dicts["backward"], dicts["none"])
+
+
+def test_a_failed_backward_then_zero_grad_equals_the_serial_step():
+    def run(overlap: str) -> list:
+        model = make_model(0)
+        opt = OffloadOptimizer(model.parameters(), **HYPER, overlap=overlap)
+        data = batches(4)
+        for step, tokens in enumerate(data):
+            if step == 1:
+                FailingBackward.fail = lambda grad: (_ for _ in ()).throw(RuntimeError("simulated"))
+                with pytest.raises(RuntimeError, match="simulated"):
+                    loss_failing_midway(model, tokens).backward()
+                FailingBackward.fail = None
+                opt.zero_grad()
+            lm_loss(model, tokens).backward()
+            opt.step()
+        out = [raw(p) for p in model.parameters()]
+        opt.close()
+        return out
+
+    assert _same(run("backward"), run("none"))
+
+
+def test_a_preview_that_raises_leaves_the_serial_step(monkeypatch: pytest.MonkeyPatch):
+    real = offload.overlap.run
+
+    def failing(calls, *, preview: bool = False) -> None:
+        if preview:
+            raise RuntimeError("simulated kernel failure")
+        real(calls, preview=preview)
+
+    serial, _ = _train("none")
+    monkeypatch.setattr(offload.overlap, "run", failing)
+    overlapped, held = _train("backward")
+    assert _same(overlapped, serial) and not any(held)
+
+
+def test_close_with_commits_in_flight_and_the_bytes_it_costs():
+    model = make_model(0)
+    opt = OffloadOptimizer(model.parameters(), **HYPER, overlap="backward")
+    stats = opt.memory_stats()
+    assert stats["overlap_bytes"] == 2 * stats["shard_elements"]
+    assert stats["host_bytes"] == sum(
+        stats[k] for k in ("master_bytes", "state_bytes", "pinned_bytes", "overlap_bytes")
+    )
+    for tokens in batches(2):
+        lm_loss(model, tokens).backward()
+        opt.step()
+    opt.close()  # the last step's commits were still queued
+    assert opt.last_step_overlapped
+
+
+def test_an_unknown_overlap_is_refused_by_name():
+    with pytest.raises(ValueError, match="overlap must be one of"):
+        OffloadOptimizer(make_model(0).parameters(), overlap="forward")
