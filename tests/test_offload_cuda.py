@@ -489,3 +489,23 @@ def test_zero_with_gloo_on_cuda_tensors_equals_one_process(tmp_path: Path):
         assert torch.equal(full["state"][0][name], opt.state_dict()["state"][0][name]), name
     for rank in ranks:
         assert all(torch.equal(a, b.cpu()) for a, b in zip(rank["weights"], model.parameters()))
+
+
+@pytest.mark.parametrize("max_norm", [None, 0.05])  # previews taken; previews dropped for clipping
+def test_stepping_during_backward_is_bitwise_the_serial_step_on_cuda(max_norm: float | None):
+    runs = {}
+    for overlap in ("none", "backward"):
+        model = make_model(0, device="cuda")
+        opt = OffloadOptimizer(model.parameters(), **HYPER, max_grad_norm=max_norm, bucket_size=1024, overlap=overlap)
+        held = []
+        for tokens in batches(6, device="cuda"):
+            lm_loss(model, tokens).backward()
+            opt.step()
+            held.append(opt.last_step_overlapped)
+        state = opt.state_dict()["state"][0]
+        runs[overlap] = [p.detach().cpu().clone() for p in model.parameters()]
+        runs[overlap] += [state[k].clone() for k in ("master", "exp_avg", "exp_avg_sq")]
+        if overlap == "backward":
+            assert all(held[1:]) == (max_norm is None)
+        opt.close()
+    assert all(torch.equal(a, b) for a, b in zip(runs["none"], runs["backward"]))

@@ -67,6 +67,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
     weights at full precision) or on the meta device (their weights must be written before the
     first step); they are moved to ``device`` as bf16 one at a time (``handover.py``).
 
+    ``overlap="backward"`` previews each bucket's step on a worker thread while backward runs
+    (+2 bytes per param) and uploads the previews at ``step()`` where they all hold; otherwise,
+    and with ``"none"`` (the default), the step runs after backward. Both give the same bits
+    (``overlap.py``).
+
     With ``process_group`` (a ``torch.distributed`` group, e.g. ``dist.group.WORLD``) the ranks
     train one data-parallel model: grads are averaged over the ranks as DDP does, and each rank
     keeps 1/N of the host state (host bytes per param divided by N). Every rank must build the

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -74,8 +75,9 @@ class Worker:
             raise RuntimeError(f"cpu_adam.OffloadOptimizer: the overlapped step failed: {error}") from error
 
     def stop(self) -> None:
-        self._jobs.put(None)
-        self._thread.join()
+        if self._thread.is_alive():
+            self._jobs.put(None)
+            self._thread.join()
 
 
 class NoOverlap:
@@ -141,6 +143,7 @@ class BackwardOverlap:
         self._order: list[Key] = []  # buckets in the order they landed: the commits go in that order
         self._committed: dict[Key, threading.Event] = {}
         self._worker = Worker()
+        weakref.finalize(self, self._worker.stop)  # at exit too: no thread left inside the kernel
 
     @property
     def extra_bytes(self) -> int:
@@ -238,8 +241,10 @@ class BackwardOverlap:
         self._failed.clear()
 
     def close(self) -> None:
-        self._worker.wait()
-        self._worker.stop()
+        try:
+            self._worker.wait()
+        finally:
+            self._worker.stop()
         for buffer in self.buffers:
             if buffer is not None:
                 buffer.close()

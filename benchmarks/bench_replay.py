@@ -1,0 +1,152 @@
+"""How much of the CPU step hides behind backward, measured without a GPU by replaying a GPU's timeline.
+
+The GPU is played by sleeps: the forward sleeps for its share of the step, and during backward each
+layer's node sleeps for its share before handing its grads to autograd, so the grads reach the
+optimizer's hooks when they would land from the GPU (last layer first, evenly spread over the
+backward). Everything else is real: the copies between the "device" and the host buffers (the
+GPU code path with the CPU as the device: staging areas, copies down, uploads), the grad norm, the
+kernel, the worker thread of overlap="backward". The timeline's phases are the H100 run's (forward
+80 ms, backward 190 ms for the 1.32B GPT, benchmarks/README.md), scaled so that the serial CPU step
+takes the same share of forward + backward as there (its CPU Adam took 206-288 ms against 270 ms:
+``--cpu-share 0.9``).
+
+Per config and overlap mode it prints the step time (forward + backward + step()), the simulated
+GPU's busy time, the exposed optimizer time (the step minus the GPU's time) and the time of the
+``step()`` call alone. The CPU also does the copies a GPU's copy engines would do (synchronous
+memcpys here, on the same 2 cores as the kernel), so the exposed time includes them.
+
+    python benchmarks/bench_replay.py                    # ~1 minute on 2 cores
+    python benchmarks/bench_replay.py --json replay.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from cpu_adam import OffloadOptimizer
+from cpu_adam.offload import optimizer as offload_optimizer
+from cpu_adam.offload.device import DeviceOps
+
+FORWARD_MS, BACKWARD_MS = 80.0, 190.0  # one H100, 1.32B GPT, seq 2048, batch 8
+CONFIGS = {
+    "fp32 master / fp32 states": dict(state_precision="fp32"),
+    "fp32 master / bf16 states": dict(state_precision="bf16"),
+    "bf16-SR master / bf16 states": dict(
+        state_precision="bf16", master_weights_dtype=torch.bfloat16, stochastic_rounding=True
+    ),
+}
+
+
+class CopyingDevice(DeviceOps):
+    """The CPU as a device that is not the host: every copy a GPU would make is made."""
+
+    @property
+    def host_addressable(self) -> bool:
+        return False
+
+
+class _Layer(torch.autograd.Function):
+    """Forward: nothing. Backward: the GPU's time for this layer, then its grads."""
+
+    @staticmethod
+    def forward(ctx: Any, param: torch.Tensor, grad: torch.Tensor, seconds: float) -> torch.Tensor:
+        ctx.grad, ctx.seconds = grad, seconds
+        return param.new_zeros((), dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx: Any, _: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        time.sleep(ctx.seconds)
+        return ctx.grad.clone(), None, None
+
+
+def _timed_steps(args: argparse.Namespace, options: dict, overlap: str, timeline: tuple[float, float]) -> dict:
+    forward_s, backward_s = timeline
+    offload_optimizer.DeviceOps = CopyingDevice
+    try:
+        layers = [
+            torch.nn.Parameter(torch.randn(args.params // args.layers).to(torch.bfloat16)) for _ in range(args.layers)
+        ]
+        opt = OffloadOptimizer(layers, lr=1e-4, max_grad_norm=1.0, overlap=overlap, **options)
+    finally:
+        offload_optimizer.DeviceOps = DeviceOps
+    g = torch.Generator().manual_seed(0)
+    # Grads of norm 0.5: clipping is on and never clips, as in most steps of a real run.
+    grads = [torch.randn(p.numel(), generator=g) for p in layers]
+    total = sum(float(x.square().sum()) for x in grads) ** 0.5
+    grads = [(x * 0.5 / total).to(torch.bfloat16) for x in grads]
+    per_layer = backward_s / args.layers
+    steps, previewed = [], 0
+    for i in range(args.warmup + args.steps):
+        t0 = time.perf_counter()
+        time.sleep(forward_s)
+        loss = sum(_Layer.apply(p, x, per_layer) for p, x in zip(layers, grads))
+        loss.backward()
+        t1 = time.perf_counter()
+        opt.step()
+        opt.zero_grad()
+        t2 = time.perf_counter()
+        if i >= args.warmup:
+            steps.append((t2 - t0, t1 - t0, t2 - t1))
+            previewed += opt.last_step_overlapped
+    opt.close()
+    step = statistics.median(s for s, _, _ in steps)
+    gpu = forward_s + backward_s
+    return {
+        "step_ms": step * 1e3,
+        "gpu_ms": gpu * 1e3,
+        "exposed_ms": (step - gpu) * 1e3,
+        "step_call_ms": statistics.median(s for _, _, s in steps) * 1e3,
+        "previewed_steps": previewed,
+        "host_bytes_per_param": opt.memory_stats()["host_bytes_per_param"],
+    }
+
+
+def _serial_cpu_step_s(args: argparse.Namespace, options: dict) -> float:
+    """The serial step alone (no GPU time): what the timeline is scaled to."""
+    probe = _timed_steps(args, options, "none", (0.0, 0.0))
+    return probe["step_ms"] / 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--params", type=int, default=2**24)
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--cpu-share", type=float, default=0.9, help="serial CPU step / (forward + backward)")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names of CONFIGS")
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args()
+    rows = []
+    print(f"{args.params / 1e6:.1f}M params in {args.layers} layers, {torch.get_num_threads()} threads")
+    print(
+        f"{'config':<30}{'overlap':<10}{'step ms':>9}{'gpu ms':>9}{'exposed ms':>12}{'step() ms':>11}{'previewed':>11}"
+    )
+    for name in args.configs.split(","):
+        options = CONFIGS[name]
+        serial = _serial_cpu_step_s(args, options)
+        gpu = serial / args.cpu_share
+        timeline = (gpu * FORWARD_MS / (FORWARD_MS + BACKWARD_MS), gpu * BACKWARD_MS / (FORWARD_MS + BACKWARD_MS))
+        for overlap in ("none", "backward"):
+            row = {"config": name, "overlap": overlap, **_timed_steps(args, options, overlap, timeline)}
+            rows.append(row)
+            print(
+                f"{name:<30}{overlap:<10}{row['step_ms']:>9.1f}{row['gpu_ms']:>9.1f}{row['exposed_ms']:>12.1f}"
+                f"{row['step_call_ms']:>11.1f}{row['previewed_steps']:>7}/{args.steps}",
+                flush=True,
+            )
+        none, backward = rows[-2]["exposed_ms"], rows[-1]["exposed_ms"]
+        print(f"{'':<30}exposed with overlap: {backward / none:.0%} of the serial step's", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "args": vars(args)}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
