@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -50,6 +51,7 @@ def _register_fakes() -> None:
     for name in (
         "cpu_adam::adam_step_",
         "cpu_adam::adam_preview_",
+        "cpu_adam::adam_step_then_preview_",
         "cpu_adam::check_adam_step",
         "cpu_adam::bandwidth_probe_",
     ):
@@ -91,6 +93,21 @@ def _check_all(params, grads, exp_avgs, exp_avg_sqs, bf16_outs) -> None:
         _check_dense_cpu(tensors, role)
 
 
+class NextStep(NamedTuple):
+    """The step previewed right after a step, element by element (``adam_step(..., then=NextStep(...))``)."""
+
+    grads: Sequence[Tensor]
+    step: int
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float = 0.0
+    adamw_mode: bool = True
+    grad_scale: float = 1.0
+    bias_correction: bool = True
+
+
 def adam_step(
     params: Sequence[Tensor],
     grads: Sequence[Tensor],
@@ -113,6 +130,7 @@ def adam_step(
     state_scales: Sequence[Tensor] | None = None,
     check_only: bool = False,
     preview: bool = False,
+    then: NextStep | None = None,
 ) -> None:
     """One fused Adam/AdamW step over every tensor in the lists, in place.
 
@@ -132,7 +150,10 @@ def adam_step(
     checks and writes nothing, for callers that step in several calls and check
     them all first. ``preview`` writes the ``bf16_outs`` alone (one per param), bit
     for bit as the step would, and leaves params and moments as they are: a step
-    computed before it is known whether it will be taken.
+    computed before it is known whether it will be taken. ``then`` runs the step and,
+    right after each element's, the preview of the next step from what it stored:
+    ``bf16_outs`` (required, and here the only output) receive the next step's
+    weights, and may be this step's own bf16 grads; one pass over the state for both.
 
     8-bit moments (``cpu_adam.quant8``): ``exp_avgs`` and ``exp_avg_sqs`` are uint8 codes and
     ``state_scales[i]`` the float32 [2, ceil(numel / 256)] block scales of both, updated in place;
@@ -149,6 +170,12 @@ def adam_step(
     elif counter_offsets is None:
         counter_offsets = back_to_back(params)
     op = _ops().check_adam_step if check_only else _ops().adam_preview_ if preview else _ops().adam_step_
+    follow: list[Any] = []
+    if then is not None:
+        op = _ops().adam_step_then_preview_
+        b1, b2 = (_bias_correction(b, then.step) if then.bias_correction else 1.0 for b in (then.beta1, then.beta2))
+        scalars = [then.lr, then.beta1, then.beta2, then.eps, then.weight_decay, b1, b2, then.grad_scale]
+        follow = [list(then.grads), [float(x) for x in scalars], then.adamw_mode, then.step]
     try:
         op(
             params,
@@ -170,6 +197,7 @@ def adam_step(
             step,
             list(counter_offsets),
             scales,
+            *follow,
         )
     except Exception:
         # The op checks everything; these checks only put a friendlier message on what it refused

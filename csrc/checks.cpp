@@ -41,15 +41,16 @@ bool elements_have_own_memory(const Tensor& t) {
 }
 
 // The names errors give the lists of a step, in schema order.
-constexpr const char* kRoleNames[kRoles] = {"params", "grads", "exp_avgs", "exp_avg_sqs", "bf16_outs", "state_scales"};
-constexpr int kGrads = 1, kOuts = 4, kScales = 5;
+constexpr const char* kRoleNames[kRoles] = {"params",    "grads",        "exp_avgs",  "exp_avg_sqs",
+                                            "bf16_outs", "state_scales", "next_grads"};
+constexpr int kGrads = 1, kOuts = 4, kScales = 5, kNextGrads = 6;
 
 struct Piece {
   Extent extent;
   size_t tuple;
   int role;
 
-  bool written() const { return role != kGrads; }
+  bool written() const { return role != kGrads && role != kNextGrads; }
 };
 
 Extent extent_of(const Tensor& t) {
@@ -129,8 +130,12 @@ DType state_dtype_of(const Tensor& t, size_t i) {
 // Everything the kernel needs of the tensors, checked before anything is written.
 void check_tensors(const TensorLists& lists, const std::vector<int64_t>& counter_offsets) {
   check_dense_cpu(lists);
-  const auto& [params, grads, exp_avgs, exp_avg_sqs, outs, scales] = lists;
+  const auto& [params, grads, exp_avgs, exp_avg_sqs, outs, scales, next_grads] = lists;
   const size_t n = params->size();
+  TORCH_CHECK(next_grads->empty() || (next_grads->size() == n && outs->size() == n),
+              "cpu_adam: a step followed by the next one's preview needs one next grad and one bf16 output per "
+              "param, got ",
+              text(next_grads->size()), " and ", text(outs->size()), " for ", text(n), " params");
   TORCH_CHECK(scales->empty() || scales->size() == n,
               "cpu_adam: state_scales must be empty (float moments) or have one tensor per param (8-bit moments), "
               "got ",
@@ -152,7 +157,10 @@ void check_tensors(const TensorLists& lists, const std::vector<int64_t>& counter
   for (size_t i = 0; i < n; ++i) {
     const Tensor& param = (*params)[i];
     for (int r = 0; r < kRoles; ++r) {
-      if ((r == kOuts && outs->empty()) || (r == kScales && scales->empty())) continue;
+      if ((r == kOuts && outs->empty()) || (r == kScales && scales->empty()) ||
+          (r == kNextGrads && next_grads->empty())) {
+        continue;
+      }
       const Tensor& t = (*lists[r])[i];
       if (r == kScales) {
         const int64_t blocks = q8_blocks(param.numel());
@@ -164,13 +172,19 @@ void check_tensors(const TensorLists& lists, const std::vector<int64_t>& counter
       TORCH_CHECK(r == kScales || t.numel() == param.numel(), "cpu_adam: ", kRoleNames[r], "[", text(i), "] has ",
                   text(t.numel()), " elements but params[", text(i), "] has ", text(param.numel()),
                   "; each tuple must match in size");
-      TORCH_CHECK(r == kGrads || elements_have_own_memory(t), "cpu_adam: ", kRoleNames[r], "[", text(i),
+      TORCH_CHECK(r == kGrads || r == kNextGrads || elements_have_own_memory(t), "cpu_adam: ", kRoleNames[r], "[",
+                  text(i),
                   "] overlaps itself (an expanded or overlapping as_strided view), so its elements would take "
                   "each other's updates; pass a tensor whose elements each have their own memory (.clone() it)");
       if (t.numel() > 0) pieces.push_back({extent_of(t), i, r});
     }
     dtype_of(param, "params", i);
-    dtype_of((*grads)[i], "grads", i);
+    const DType grad = dtype_of((*grads)[i], "grads", i);
+    if (!next_grads->empty()) {
+      TORCH_CHECK(dtype_of((*next_grads)[i], "next_grads", i) == grad, "cpu_adam: next_grads[", text(i), "] is ",
+                  (*next_grads)[i].scalar_type(), " but grads[", text(i), "] is ", (*grads)[i].scalar_type(),
+                  "; both steps' grads must have one dtype");
+    }
     const DType state = state_dtype_of((*exp_avgs)[i], i);
     TORCH_CHECK((state == DType::q8) == !scales->empty(), "cpu_adam: exp_avgs[", text(i), "] is ",
                 (*exp_avgs)[i].scalar_type(), " and state_scales ", scales->empty() ? "is empty" : "is given",

@@ -14,8 +14,8 @@
 namespace cpu_adam {
 
 // The tensors of one step: lists in schema order (params, grads, exp_avgs, exp_avg_sqs, bf16_outs,
-// state_scales).
-constexpr int kRoles = 6;
+// state_scales), and the grads of the next step where a step is followed by its preview.
+constexpr int kRoles = 7;
 using TensorLists = std::array<const std::vector<at::Tensor>*, kRoles>;
 
 // state_scales[i] is float32 [2, q8_blocks(params[i].numel())]: a scale per moment per block.

@@ -83,6 +83,7 @@ inline std::string fold_hyper(const AdamScalars& a, Hyper& h) {
   h.stochastic_rounding = a.stochastic_rounding;
   h.preview = false;
   h.probe = ProbeVariant::none;
+  h.next = nullptr;
   return error;
 }
 

@@ -22,6 +22,8 @@ namespace {
 
 using at::Tensor;
 
+const std::vector<Tensor> kNone;  // a list a call does not use
+
 // 4096 elements is a whole number of cache lines for both dtypes; threads split
 // the work on these blocks, so no cache line is written by two threads.
 constexpr int64_t kBlock = 4096;
@@ -32,13 +34,13 @@ static_assert(kBlock % 2 == 0, "stochastic rounding hashes pairs of elements");
 static_assert(kBlock % kQ8Block == 0, "threads split 8-bit states on whole scale blocks");
 
 struct Tuple {
-  Tensor param, grad, exp_avg, exp_avg_sq, out, scales;  // contiguous (staged copies where needed)
+  Tensor param, grad, exp_avg, exp_avg_sq, out, scales, next_grad;  // contiguous (staged copies where needed)
   Layout layout;
 };
 
 // The kernel runs on contiguous tensors: non-contiguous ones are copied here and back after.
 std::vector<Tuple> stage(const TensorLists& lists) {
-  const auto& [params, grads, exp_avgs, exp_avg_sqs, outs, scales] = lists;
+  const auto& [params, grads, exp_avgs, exp_avg_sqs, outs, scales, next_grads] = lists;
   std::vector<Tuple> tuples(params->size());
   for (size_t i = 0; i < params->size(); ++i) {
     Tuple& tu = tuples[i];
@@ -50,13 +52,14 @@ std::vector<Tuple> stage(const TensorLists& lists) {
     tu.exp_avg_sq = (*exp_avg_sqs)[i].contiguous();
     if (!outs->empty()) tu.out = (*outs)[i].contiguous();
     if (!scales->empty()) tu.scales = (*scales)[i].contiguous();
+    if (!next_grads->empty()) tu.next_grad = (*next_grads)[i].contiguous();
   }
   return tuples;
 }
 
 // Non-contiguous inputs were updated in contiguous copies: write them back (the outputs alone after a preview).
 void write_back(const TensorLists& lists, const std::vector<Tuple>& tuples, bool preview) {
-  const auto& [params, grads, exp_avgs, exp_avg_sqs, outs, scales] = lists;
+  const auto& [params, grads, exp_avgs, exp_avg_sqs, outs, scales, next_grads] = lists;
   for (size_t i = 0; i < tuples.size(); ++i) {
     const Tuple& tu = tuples[i];
     if (!outs->empty() && !(*outs)[i].is_same(tu.out)) (*outs)[i].copy_(tu.out);
@@ -102,7 +105,7 @@ int64_t threads_for(int64_t numel) {
   return static_cast<int64_t>(threads.size());
 }
 
-void run_all(std::vector<Tuple>& tuples, const Hyper& h, int64_t seed, int64_t step,
+void run_all(std::vector<Tuple>& tuples, const Hyper& h, int64_t seed, int64_t step, int64_t next_step,
              const std::vector<int64_t>& counter_offsets) {
   const KernelFn kernel = active_isa().kernel;
   std::vector<int64_t> block_start(tuples.size() + 1, 0);
@@ -135,6 +138,14 @@ void run_all(std::vector<Tuple>& tuples, const Hyper& h, int64_t seed, int64_t s
       s.exp_avg_sq_scale = nullptr;
       s.counter_wrap = std::min(s.n, wrap - begin);
       s.rng_key_after_wrap = random_bits ? rng_key(seed, step, high + 1) : 0;
+      s.next_grad = nullptr;
+      s.next_rng_key = s.next_rng_key_after_wrap = 0;
+      if (tu.next_grad.defined()) {
+        s.next_grad = static_cast<const char*>(tu.next_grad.const_data_ptr()) + begin * tu.next_grad.element_size();
+        const bool next_bits = h.next->stochastic_rounding || q8;
+        s.next_rng_key = next_bits ? rng_key(seed, next_step, high) : 0;
+        s.next_rng_key_after_wrap = next_bits ? rng_key(seed, next_step, high + 1) : 0;
+      }
       if (q8) {
         float* scales = tu.scales.data_ptr<float>();
         s.exp_avg_scale = scales + begin / kQ8Block;
@@ -158,14 +169,14 @@ void run_all(std::vector<Tuple>& tuples, const Hyper& h, int64_t seed, int64_t s
 }
 
 void launch(const TensorLists& lists, const Hyper& h, int64_t seed, int64_t step,
-            const std::vector<int64_t>& counter_offsets) {
+            const std::vector<int64_t>& counter_offsets, int64_t next_step = 0) {
   check_tensors(lists, counter_offsets);
-  const auto& [params, grads, exp_avgs, exp_avg_sqs, outs, scales] = lists;
+  const auto& [params, grads, exp_avgs, exp_avg_sqs, outs, scales, next_grads] = lists;
   TORCH_CHECK_VALUE(!h.preview || outs->size() == params->size(),
                     "cpu_adam: a preview writes the new weights into bf16_outs alone: give one per param (got ",
                     outs->size(), " for ", params->size(), " params)");
   std::vector<Tuple> tuples = stage(lists);
-  run_all(tuples, h, seed, step, counter_offsets);
+  run_all(tuples, h, seed, step, next_step, counter_offsets);
   write_back(lists, tuples, h.preview);
   // As torch's in-place ops do: a backward through a graph that saved these tensors before the
   // step then fails instead of running on the new values.
@@ -194,7 +205,7 @@ void adam_step(const std::vector<Tensor>& params, const std::vector<Tensor>& gra
                const std::vector<int64_t>& counter_offsets, const std::vector<Tensor>& state_scales) {
   const Hyper h = adam_hyper(lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction1, bias_correction2,
                              grad_scale, stochastic_rounding, step);
-  launch({&params, &grads, &exp_avgs, &exp_avg_sqs, &bf16_outs, &state_scales}, h, seed, step, counter_offsets);
+  launch({&params, &grads, &exp_avgs, &exp_avg_sqs, &bf16_outs, &state_scales, &kNone}, h, seed, step, counter_offsets);
 }
 
 // The bf16 weights adam_step_ would write into bf16_outs, bit for bit, with params and moments left
@@ -208,7 +219,32 @@ void adam_preview(const std::vector<Tensor>& params, const std::vector<Tensor>& 
   Hyper h = adam_hyper(lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction1, bias_correction2, grad_scale,
                        stochastic_rounding, step);
   h.preview = true;
-  launch({&params, &grads, &exp_avgs, &exp_avg_sqs, &bf16_outs, &state_scales}, h, seed, step, counter_offsets);
+  launch({&params, &grads, &exp_avgs, &exp_avg_sqs, &bf16_outs, &state_scales, &kNone}, h, seed, step, counter_offsets);
+}
+
+// A step, and right after each element's step the preview of the next step from what it stored, in
+// one pass: the bf16 weights of the next step (as adam_preview_ would write them after adam_step_)
+// go into bf16_outs, which may be the step's own grads; the step itself writes no output.
+void adam_step_then_preview(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+                            const std::vector<Tensor>& exp_avgs, const std::vector<Tensor>& exp_avg_sqs,
+                            const std::vector<Tensor>& bf16_outs, double lr, double beta1, double beta2, double eps,
+                            double weight_decay, bool adamw_mode, double bias_correction1, double bias_correction2,
+                            double grad_scale, bool stochastic_rounding, int64_t seed, int64_t step,
+                            const std::vector<int64_t>& counter_offsets, const std::vector<Tensor>& state_scales,
+                            const std::vector<Tensor>& next_grads, const std::vector<double>& next_scalars,
+                            bool next_adamw_mode, int64_t next_step) {
+  TORCH_CHECK_VALUE(next_scalars.size() == 8,
+                    "cpu_adam: next_scalars are (lr, beta1, beta2, eps, weight_decay, bias_correction1, "
+                    "bias_correction2, grad_scale), got ",
+                    next_scalars.size(), " values");
+  const auto& n = next_scalars;
+  const Hyper next =
+      adam_hyper(n[0], n[1], n[2], n[3], n[4], next_adamw_mode, n[5], n[6], n[7], stochastic_rounding, next_step);
+  Hyper h = adam_hyper(lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction1, bias_correction2, grad_scale,
+                       stochastic_rounding, step);
+  h.next = &next;
+  launch({&params, &grads, &exp_avgs, &exp_avg_sqs, &bf16_outs, &state_scales, &next_grads}, h, seed, step,
+         counter_offsets, next_step);
 }
 
 // Every check of adam_step_, nothing written: callers that step in several calls check them all
@@ -221,7 +257,7 @@ void check_adam_step(const std::vector<Tensor>& params, const std::vector<Tensor
                      const std::vector<int64_t>& counter_offsets, const std::vector<Tensor>& state_scales) {
   adam_hyper(lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction1, bias_correction2, grad_scale,
              stochastic_rounding, step);
-  check_tensors({&params, &grads, &exp_avgs, &exp_avg_sqs, &bf16_outs, &state_scales}, counter_offsets);
+  check_tensors({&params, &grads, &exp_avgs, &exp_avg_sqs, &bf16_outs, &state_scales, &kNone}, counter_offsets);
 }
 
 ProbeVariant probe_variant(const std::string& name) {
@@ -239,7 +275,7 @@ void bandwidth_probe(const std::vector<Tensor>& params, const std::vector<Tensor
                      const std::string& variant) {
   Hyper h{};
   h.probe = probe_variant(variant);
-  launch({&params, &grads, &exp_avgs, &exp_avg_sqs, &bf16_outs, &state_scales}, h, 0, 0, {});
+  launch({&params, &grads, &exp_avgs, &exp_avg_sqs, &bf16_outs, &state_scales, &kNone}, h, 0, 0, {});
 }
 
 std::vector<std::string> isa_names(bool only_supported) {
@@ -274,6 +310,12 @@ TORCH_LIBRARY(cpu_adam, m) {
       "bool adamw_mode, float bias_correction1, float bias_correction2, float grad_scale, "
       "bool stochastic_rounding, int seed, int step, int[] counter_offsets, Tensor[] state_scales) -> ()");
   m.def(
+      "adam_step_then_preview_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
+      "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] bf16_outs, float lr, float beta1, float beta2, float eps, "
+      "float weight_decay, bool adamw_mode, float bias_correction1, float bias_correction2, float grad_scale, "
+      "bool stochastic_rounding, int seed, int step, int[] counter_offsets, Tensor(e!)[] state_scales, "
+      "Tensor[] next_grads, float[] next_scalars, bool next_adamw_mode, int next_step) -> ()");
+  m.def(
       "bandwidth_probe_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
       "Tensor(d!)[] bf16_outs, Tensor(e!)[] state_scales, str variant) -> ()");
   m.def("compiled_isas() -> str[]", &compiled_isa_names);
@@ -286,6 +328,7 @@ TORCH_LIBRARY(cpu_adam, m) {
 TORCH_LIBRARY_IMPL(cpu_adam, CPU, m) {
   m.impl("adam_step_", &adam_step);
   m.impl("adam_preview_", &adam_preview);
+  m.impl("adam_step_then_preview_", &adam_step_then_preview);
   m.impl("check_adam_step", &check_adam_step);
   m.impl("bandwidth_probe_", &bandwidth_probe);
 }
@@ -294,6 +337,7 @@ TORCH_LIBRARY_IMPL(cpu_adam, CPU, m) {
 TORCH_LIBRARY_IMPL(cpu_adam, CompositeExplicitAutograd, m) {
   m.impl("adam_step_", &adam_step);
   m.impl("adam_preview_", &adam_preview);
+  m.impl("adam_step_then_preview_", &adam_step_then_preview);
   m.impl("check_adam_step", &check_adam_step);
   m.impl("bandwidth_probe_", &bandwidth_probe);
 }

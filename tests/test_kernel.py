@@ -806,3 +806,52 @@ def test_a_preview_needs_an_output_for_each_param() -> None:
     p, g, m, v = make_tuple(8, ("f32", "f32", "f32"), 0)
     with pytest.raises(ValueError, match="one per param"):
         ops.adam_step([p], [g], [m], [v], step=1, preview=True, **HYPER)
+
+
+@pytest.mark.parametrize("layout", PREVIEW_LAYOUTS, ids="-".join)
+def test_a_step_then_the_next_ones_preview_equals_the_two_calls(isa: str, layout: tuple[str, str, str]) -> None:
+    # One pass over the state for both: the step's state, and the next step's bf16 weights written
+    # over the step's own grads, bitwise as a step followed by a preview.
+    variants = [
+        ({"step": 3, "weight_decay": 0.1, "grad_scale": 0.37}, {"lr": 2e-2, "grad_scale": 1.0}),
+        ({"step": 7, "weight_decay": 0.1, "adamw_mode": False}, {"lr": 1e-2, "weight_decay": 0.1, "adamw_mode": False}),
+        ({"step": 2, "stochastic_rounding": True, "seed": 9}, {"lr": 1e-2}),
+    ]
+    for n in (1, 17, 129, 4097, 70001):
+        tensors, scales = _preview_case(n, layout, seed=n)
+        next_grad = (tensors[1].float() * -0.5 + 1e-3).to(tensors[1].dtype)
+        for v, nxt in variants:
+            kwargs = {**HYPER, **v}
+            bf16_grads = tensors[1].dtype == torch.bfloat16
+            expected = [t.clone() for t in tensors]
+            expected_scales = [s.clone() for s in scales] or None
+            ops.adam_step(*([t] for t in expected), state_scales=expected_scales, **kwargs)
+            expected_out = torch.full_like(tensors[0], float("nan"), dtype=torch.bfloat16)
+            then_kwargs = {**kwargs, **nxt, "step": kwargs["step"] + 1}
+            ops.adam_step(
+                *([t] for t in expected[:1]),
+                [next_grad],
+                *([t] for t in expected[2:]),
+                bf16_outs=[expected_out],
+                state_scales=[s.clone() for s in expected_scales] if expected_scales else None,
+                preview=True,
+                **then_kwargs,
+            )
+            fused = [t.clone() for t in tensors]
+            fused_scales = [s.clone() for s in scales] or None
+            out = fused[1] if bf16_grads else torch.full_like(expected_out, float("nan"))  # over its own grads
+            then = ops.NextStep([next_grad], **{k: then_kwargs[k] for k in ops.NextStep._fields if k in then_kwargs})
+            ops.adam_step(*([t] for t in fused), bf16_outs=[out], state_scales=fused_scales, then=then, **kwargs)
+            assert_same_bits(out, expected_out, f"{isa} n={n} {v} next weights")
+            for name, a, e in zip(
+                ("param", "exp_avg", "exp_avg_sq"), (fused[0], *fused[2:]), (expected[0], *expected[2:])
+            ):
+                assert torch.equal(raw(a), raw(e)), f"{isa} n={n} {v}: {name}"
+            assert all(torch.equal(a, b) for a, b in zip(fused_scales or [], expected_scales or []))
+
+
+def test_the_next_steps_grads_may_not_be_an_output() -> None:
+    p, g, m, v = make_tuple(8, ("f32", "bf16", "f32"), 0)
+    out = torch.zeros(8, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="share memory"):
+        ops.adam_step([p], [g], [m], [v], bf16_outs=[out], step=1, then=ops.NextStep([out], step=2, **HYPER), **HYPER)

@@ -147,12 +147,35 @@ constexpr bool kHasPartial = false;
 template <class V>
 constexpr bool kHasPartial<V, decltype(void(V::partial(int64_t{1})))> = true;
 
+// The preview of the next step, run right after a step over the same elements: it reads back what
+// the step stored (rounded as stored), from cache.
+struct Then {
+  Segment s;
+  Hyper h;
+  bool active;
+};
+
+inline Then then_of(const Segment& s, const Hyper& h) {
+  Then t{s, h, h.next != nullptr};
+  if (t.active) {
+    t.h = *h.next;
+    t.h.preview = true;
+    t.h.next = nullptr;
+    t.s.grad = s.next_grad;
+    t.s.rng_key = s.next_rng_key;
+    t.s.rng_key_after_wrap = s.next_rng_key_after_wrap;
+  }
+  return t;
+}
+
 template <class V, class P, class G, class S, bool kRoot = false>
 void run_segment(const Segment& segment, const Hyper& hyper) {
   // Local copies: the compiler cannot prove that stores through the data
   // pointers leave the caller's structs alone, and would reload every field
   // (and re-test every flag) on every iteration.
-  const Segment s = segment;
+  const Then then = then_of(segment, hyper);
+  Segment s = segment;
+  if (then.active) s.bf16_out = nullptr;  // the output is the next step's
   const Hyper h = hyper;
   // A compile-time constant on x86 and NEON; read from the CPU on SVE. Each
   // group of vectors covers whole lines, with one prefetch per line.
@@ -166,13 +189,25 @@ void run_segment(const Segment& segment, const Hyper& hyper) {
     if (group > kLineElements) {
       for (int64_t line = i + kLineElements; line < i + group; line += kLineElements) prefetch_ahead<P, G, S>(line, s);
     }
-    for (int64_t j = i; j < i + group; j += width) update<V, P, G, S, kRoot>(j, s, h);
+    for (int64_t j = i; j < i + group; j += width) {
+      update<V, P, G, S, kRoot>(j, s, h);
+      if (then.active) update<V, P, G, S, kRoot>(j, then.s, then.h);
+    }
   }
-  for (; i + width <= s.n; i += width) update<V, P, G, S, kRoot>(i, s, h);
+  for (; i + width <= s.n; i += width) {
+    update<V, P, G, S, kRoot>(i, s, h);
+    if (then.active) update<V, P, G, S, kRoot>(i, then.s, then.h);
+  }
   if constexpr (kHasPartial<V>) {
-    if (i < s.n) update<decltype(V::partial(1)), P, G, S, kRoot>(i, s, h, V::partial(s.n - i));
+    if (i < s.n) {
+      update<decltype(V::partial(1)), P, G, S, kRoot>(i, s, h, V::partial(s.n - i));
+      if (then.active) update<decltype(V::partial(1)), P, G, S, kRoot>(i, then.s, then.h, V::partial(s.n - i));
+    }
   } else {
-    for (; i < s.n; ++i) update<ScalarOps, P, G, S, kRoot>(i, s, h);
+    for (; i < s.n; ++i) {
+      update<ScalarOps, P, G, S, kRoot>(i, s, h);
+      if (then.active) update<ScalarOps, P, G, S, kRoot>(i, then.s, then.h);
+    }
   }
 }
 
@@ -180,42 +215,51 @@ void run_segment(const Segment& segment, const Hyper& hyper) {
 // stack, run the Adam loop above on them (the param update sees the new, unrounded
 // m and v), then encode the block with its new scales, rounding stochastically.
 template <class V, class P, class G>
-void run_q8_segment(const Segment& segment, const Hyper& h) {
-  const Segment s = segment;
+void run_q8_segment(const Segment& segment, const Hyper& hyper) {
+  // The step and the next one's preview run block by block, each on the block's decoded codes.
+  const Then then = then_of(segment, hyper);
+  Segment s = segment;
+  if (then.active) s.bf16_out = nullptr;
+  Hyper h = hyper;
+  h.next = nullptr;
   alignas(64) float m[kQ8Block] = {};
   alignas(64) float u[kQ8Block] = {};
   auto* m_codes = static_cast<uint8_t*>(s.exp_avg);
   auto* u_codes = static_cast<uint8_t*>(s.exp_avg_sq);
   // Adam over elements [lo, hi) of the block starting at `start`.
-  const auto adam = [&](int64_t start, int64_t lo, int64_t hi, uint32_t key) {
-    Segment part = s;
-    part.param = static_cast<P*>(s.param) + start + lo;
-    part.grad = static_cast<const G*>(s.grad) + start + lo;
-    part.bf16_out = s.bf16_out ? s.bf16_out + start + lo : nullptr;
+  const auto adam = [&](const Segment& from, const Hyper& with, int64_t start, int64_t lo, int64_t hi, uint32_t key) {
+    Segment part = from;
+    part.param = static_cast<P*>(from.param) + start + lo;
+    part.grad = static_cast<const G*>(from.grad) + start + lo;
+    part.bf16_out = from.bf16_out ? from.bf16_out + start + lo : nullptr;
     part.exp_avg = m + lo;
     part.exp_avg_sq = u + lo;
     part.n = hi - lo;
-    part.first_counter = s.first_counter + static_cast<uint32_t>(start + lo);
+    part.first_counter = from.first_counter + static_cast<uint32_t>(start + lo);
     part.rng_key = key;
-    run_segment<V, P, G, float, true>(part, h);
+    run_segment<V, P, G, float, true>(part, with);
+  };
+  const auto block = [&](const Segment& from, const Hyper& with, int64_t b, int64_t start, int64_t n) {
+    decode_avg_block(m_codes + start, n, from.exp_avg_scale[b], m);
+    decode_root_block(u_codes + start, n, from.exp_avg_sq_scale[b], u);
+    const int64_t wrap = from.counter_wrap - start;
+    if (wrap <= 0) {
+      adam(from, with, start, 0, n, from.rng_key_after_wrap);
+    } else if (wrap >= n) {
+      adam(from, with, start, 0, n, from.rng_key);
+    } else {
+      adam(from, with, start, 0, wrap, from.rng_key);
+      adam(from, with, start, wrap, n, from.rng_key_after_wrap);
+    }
+    if (!with.preview) {
+      encode_block({m, u, n, m_codes + start, u_codes + start}, from.first_counter + static_cast<uint32_t>(start),
+                   from.rng_key, wrap, from.rng_key_after_wrap, &from.exp_avg_scale[b], &from.exp_avg_sq_scale[b]);
+    }
   };
   for (int64_t b = 0, start = 0; start < s.n; ++b, start += kQ8Block) {
     const int64_t n = std::min(kQ8Block, s.n - start);
-    decode_avg_block(m_codes + start, n, s.exp_avg_scale[b], m);
-    decode_root_block(u_codes + start, n, s.exp_avg_sq_scale[b], u);
-    const int64_t wrap = s.counter_wrap - start;
-    if (wrap <= 0) {
-      adam(start, 0, n, s.rng_key_after_wrap);
-    } else if (wrap >= n) {
-      adam(start, 0, n, s.rng_key);
-    } else {
-      adam(start, 0, wrap, s.rng_key);
-      adam(start, wrap, n, s.rng_key_after_wrap);
-    }
-    if (!h.preview) {
-      encode_block({m, u, n, m_codes + start, u_codes + start}, s.first_counter + static_cast<uint32_t>(start),
-                   s.rng_key, wrap, s.rng_key_after_wrap, &s.exp_avg_scale[b], &s.exp_avg_sq_scale[b]);
-    }
+    block(s, h, b, start, n);
+    if (then.active) block(then.s, then.h, b, start, n);  // decodes the codes the step just encoded
   }
 }
 

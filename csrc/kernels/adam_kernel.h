@@ -31,6 +31,10 @@ struct Segment {
   float* exp_avg_sq_scale;
   int64_t counter_wrap;
   uint32_t rng_key_after_wrap;
+  // A step followed by the preview of the next (Hyper::next): the next step's grads and keys.
+  const void* next_grad;
+  uint32_t next_rng_key;
+  uint32_t next_rng_key_after_wrap;
 };
 
 struct Layout {
@@ -59,6 +63,9 @@ struct Hyper {
   bool stochastic_rounding;  // bf16 param stores only
   bool preview;              // the new weights into bf16_out alone: params and moments are not written
   ProbeVariant probe;        // none: the Adam step
+  // Not null: after each vector's step, the next step is previewed from what was just stored
+  // (Segment::next_grad), writing its weights into bf16_out; the step itself writes no output.
+  const Hyper* next;
 };
 
 using KernelFn = void (*)(const Segment&, Layout, const Hyper&);
