@@ -103,7 +103,6 @@ class Hooks:
                 self._send(due)
 
     def _open(self, key: Key) -> None:
-        self._overlap.before_reuse(*key)
         self._window.fold(*key)
         self._staging[key] = self._link.staging_area(*key)
         self._packed[key] = set()

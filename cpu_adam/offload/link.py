@@ -27,7 +27,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .device import DeviceOps, Event
+from .device import DeviceOps, Event, HostBuffer
 from .layout import FlatLayout
 from .world import World
 
@@ -160,6 +160,11 @@ class Link:
             self._dev.release(held)
 
     # -- up ---------------------------------------------------------------------------------
+
+    def swap_buffer(self, g: int, other: HostBuffer) -> HostBuffer:
+        """Group ``g``'s slots move to ``other``; returns the buffer they were in, with what it holds."""
+        old, self.buffers[g] = self.buffers[g], other
+        return old
 
     def writable(self, g: int, b: int) -> Tensor:
         """Bucket ``b``'s slot, to be written with weights from the host: its copies in flight are done."""

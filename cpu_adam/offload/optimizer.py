@@ -245,7 +245,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             return loss  # no grads: like torch's optimizers, leave every param as it is
         t0 = time.perf_counter()
         self._link.wait_all()
-        self._overlap.settle()  # the previews of this window (and the last step's commits)
+        self._overlap.settle()  # this window's previews, and the commits of the step before
         t1 = time.perf_counter()
         self._model.check_storage()
         synced = self._model.sync_masters(self._store)
@@ -281,7 +281,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 event = self._dev.record()
             self._dev.compute_waits(event)
             if previews is not None:
-                self._overlap.commit(hypers, finished)  # the state, while the next forward runs
+                self._overlap.defer(hypers, finished)  # the state, committed during the next backward
         self._new_window()
         self.step_timings = {"grads_wait_s": t1 - t0, "norm_s": t2 - t1, "adam_s": time.perf_counter() - t2}
         return loss

@@ -1,18 +1,20 @@
 """When the CPU step runs: after backward (``"none"``), or during it (``"backward"``), exactly.
 
-``"backward"`` speculates that the step will be taken as it stands when a bucket lands: no
-clipping (a scale of 1, the ranks' mean apart), a finite norm, the same hyper-parameters, no
-later contribution to the bucket. A worker thread previews each landed bucket's step as its
-grads arrive: the kernel writes the new bf16 weights the step would write into a pinned buffer
-of the optimizer's (2 bytes per param) and leaves the state alone. At ``step()``, where every
-bucket's preview still holds, the previews are uploaded and the state itself is committed by the
-worker afterwards (the same kernel calls, now writing masters and moments), while the next
-forward runs; a slot whose grads a commit still reads is not reused before it is done. Where any
-preview does not hold, they are all dropped and the step runs serially, as with ``"none"``: the
-speculation costs no more than the serial step, and nothing it did is visible.
+``"backward"`` keeps the state one step behind the weights. A step's state is committed during the
+next backward, by one pass per element as each bucket lands: the kernel commits the deferred step
+(from the grads kept from it) and, from what it just stored, previews the new step, speculating
+that it will be taken as it stands when the bucket lands: no clipping (a scale of 1, the ranks'
+mean apart), a finite norm, the same hyper-parameters, no later contribution to the bucket. The
+preview's bf16 weights overwrite the kept grads, which the commit has just read, so the grads of
+two steps and the weights fit in two pinned bf16 buffers: the link's slots and one more of the
+same size (2 bytes per param), which swap roles at each step.
 
-Everything a user can read waits for the commits first (``state_dict``, ``master_weights``,
-``load_state_dict``, ``close``), so after ``step()`` returns the state is the serial step's.
+At ``step()``, where every bucket's preview still holds, the previews are uploaded and the step is
+deferred (its grads kept, its step counts taken); otherwise the deferred step is committed where
+it was not yet and the step runs serially, as with ``"none"``: a failed speculation costs no more
+than the serial step, and nothing it did is visible. A bucket that did not land commits at the
+next ``step()``; ``state_dict``, ``master_weights``, ``load_state_dict`` and ``close`` commit
+everything first, so the state a user can read is always the serial step's.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from .device import DeviceOps
+from ..ops import NextStep
+from .device import DeviceOps, HostBuffer
 from .layout import FlatLayout
 from .link import Landing, Link
 from .stepper import Chunk, Stepper, run
@@ -61,12 +64,6 @@ class Worker:
     def submit(self, job: Callable[[], None]) -> None:
         self._jobs.put(job)
 
-    def wait_for(self, done: threading.Event) -> None:
-        """Returns once ``done`` is set by a job; raises if a job failed first."""
-        while not done.wait(0.01):
-            if self._error is not None:
-                self.wait()
-
     def wait(self) -> None:
         """Returns once every job submitted so far has run; raises the first error of one."""
         self._jobs.join()
@@ -88,18 +85,13 @@ class NoOverlap:
     def landed(self, g: int, b: int, landing: Landing) -> None:
         pass
 
-    def before_reuse(self, g: int, b: int) -> None:
-        pass
-
     def settle(self) -> None:
         pass
 
-    def previews(
-        self, hypers: list[dict[str, Any] | None], finished: Finished, synced: bool
-    ) -> list[Tensor | None] | None:
+    def previews(self, hypers: list[dict[str, Any] | None], finished: Finished, synced: bool) -> list[Tensor] | None:
         return None
 
-    def commit(self, hypers: list[dict[str, Any] | None], finished: Finished) -> None:
+    def defer(self, hypers: list[dict[str, Any] | None], finished: Finished) -> None:
         pass
 
     def reset(self) -> None:
@@ -116,6 +108,14 @@ class _Preview(NamedTuple):
     steps: tuple[int, ...]
 
 
+class _Deferred(NamedTuple):
+    """A step whose state is not written yet: its grads are in the spare buffer."""
+
+    hyper: dict[str, Any]
+    got: list[bool]
+    steps: list[int]  # the params' counts before it
+
+
 class BackwardOverlap:
     def __init__(
         self,
@@ -128,76 +128,81 @@ class BackwardOverlap:
         hyper_of: Callable[[int, float], dict[str, Any]],
     ) -> None:
         self._dev = dev
-        self._link = link
         self._world = world
         self._layouts = layouts
         self._window = window
         self._stepper = stepper
+        self._link = link
         self._hyper_of = hyper_of  # group, scale -> the kernel's hyper-parameters as step() would pass them
-        # The weights the previews wrote, in the slots' layout: pinned, as the uploads read it.
-        self.buffers = [
+        # The grads of the deferred step, then the previews' weights written over them; pinned, as uploads read it.
+        self.spare: list[HostBuffer | None] = [
             None if layout is None else dev.host_buffer(layout.shard_numel, torch.bfloat16) for layout in layouts
         ]
+        self._deferred: dict[Key, _Deferred] = {}
         self._previews: dict[Key, _Preview] = {}
         self._failed: set[Key] = set()  # previews whose kernel raised: the serial step will say why
-        self._order: list[Key] = []  # buckets in the order they landed: the commits go in that order
-        self._committed: dict[Key, threading.Event] = {}
         self._worker = Worker()
         weakref.finalize(self, self._worker.stop)  # at exit too: no thread left inside the kernel
 
     @property
     def extra_bytes(self) -> int:
-        return sum(b.nbytes for b in self.buffers if b is not None)
+        return sum(b.nbytes for b in self.spare if b is not None)
 
     # -- during backward ----------------------------------------------------------------------
 
     def landed(self, g: int, b: int, landing: Landing) -> None:
-        """A bucket's grads went down: its step is previewed as soon as they are there (first landing only)."""
+        """A bucket's grads went down: the worker commits its deferred step and previews this one."""
         key = (g, b)
         if self._window.landings(g, b) != 1:
             self._previews.pop(key, None)  # a second contribution: the preview no longer holds
             return
-        self._order.append(key)
-        hyper = self._hyper_of(g, 1.0 / self._world.size)
-        got = list(self._window.got[g])
         chunk = Chunk(g, b, b + 1)
         members = self._stepper.members_of(chunk)
-        preview = _Preview(self._window.epoch, hyper, tuple(got[i] for i in members), self._stored_steps(g, members))
-        grads = {key: self._link.buffers[g].tensor}
-        calls = self._stepper.calls(chunk, hyper, grads, got, outputs=self.buffers[g].tensor)
+        got = list(self._window.got[g])
+        hyper = self._hyper_of(g, 1.0 / self._world.size)
+        self._previews[key] = _Preview(
+            self._window.epoch, hyper, tuple(got[i] for i in members), tuple(self._stepper.steps(g)[i] for i in members)
+        )
+        slots = {key: self._link.buffers[g].tensor}
+        preview = self._stepper.calls(chunk, hyper, slots, got, outputs=self.spare[g].tensor)
+        deferred = self._deferred.get(key)
+        commit = [] if deferred is None else self._commit_calls(key, deferred)
+        fused = _fused(commit, preview)
 
         def job() -> None:
-            # The copy down has landed; on a GPU it also orders this after the last upload from the buffer.
+            # The copy down has landed; on a GPU it also orders this after the last upload from the spare buffer.
             self._dev.wait_host(landing.event)
-            try:
-                run(calls, preview=True)
-            except Exception:
-                self._failed.add(key)
+            run(commit if fused is None else fused)
+            self._deferred.pop(key, None)  # committed: a failed commit stays deferred, and its error is raised
+            if fused is None:
+                try:
+                    run(preview, preview=True)
+                except Exception:
+                    self._failed.add(key)
 
-        self._previews[key] = preview
         self._worker.submit(job)
 
-    def before_reuse(self, g: int, b: int) -> None:
-        """Waits until the commit still reading bucket ``b``'s slot is done."""
-        done = self._committed.get((g, b))
-        if done is not None:
-            self._worker.wait_for(done)
+    def _commit_calls(self, key: Key, deferred: _Deferred) -> list[dict[str, Any]]:
+        g, b = key
+        grads = {key: self.spare[g].tensor}
+        return self._stepper.calls(
+            Chunk(g, b, b + 1), deferred.hyper, grads, deferred.got, weights=False, steps=deferred.steps
+        )
 
-    # -- at step() ------------------------------------------------------------------------------
+    # -- at step() and wherever the state is read -----------------------------------------------
 
     def settle(self) -> None:
-        """Every preview and commit done: the state is the serial step's."""
+        """Every job done and every deferred step committed: the state is the serial step's."""
         self._worker.wait()
-        self._committed.clear()
+        for key, deferred in list(self._deferred.items()):
+            run(self._commit_calls(key, deferred))
+            del self._deferred[key]
 
-    def previews(
-        self, hypers: list[dict[str, Any] | None], finished: Finished, synced: bool
-    ) -> list[Tensor | None] | None:
-        """The previews' buffers where every bucket's preview holds for the step about to be taken (after
+    def previews(self, hypers: list[dict[str, Any] | None], finished: Finished, synced: bool) -> list[Tensor] | None:
+        """The buffers of the previews where every bucket's holds for the step about to be taken (after
         ``settle``), else None."""
         if synced or self._failed:  # masters taken from weights written since the previews read them
             return None
-        expected = self._window.epoch
         for g, layout in enumerate(self._layouts):
             if layout is None or hypers[g] is None:
                 continue
@@ -209,49 +214,61 @@ class BackwardOverlap:
                 preview = self._previews.get((g, b))
                 if (
                     preview is None
-                    or preview.epoch != expected
+                    or preview.epoch != self._window.epoch
                     or preview.hyper != hypers[g]
                     or preview.got != tuple(got[i] for i in members)
-                    or preview.steps != self._stored_steps(g, members)
+                    or preview.steps != tuple(self._stepper.steps(g)[i] for i in members)
                     or self._window.landings(g, b) != 1
                 ):
                     return None
-        return [None if buffer is None else buffer.tensor for buffer in self.buffers]
+        return [None if buffer is None else buffer.tensor for buffer in self.spare]
 
-    def commit(self, hypers: list[dict[str, Any] | None], finished: Finished) -> None:
-        """The state of the previewed step, written by the worker (in the order the buckets landed)."""
-        for g, b in self._order:
-            if hypers[g] is None or (g, b) not in self._previews:
+    def defer(self, hypers: list[dict[str, Any] | None], finished: Finished) -> None:
+        """The step just uploaded from the previews: its state is committed by the next backward (or ``settle``)."""
+        for g, layout in enumerate(self._layouts):
+            if layout is None or hypers[g] is None:
                 continue
-            chunk = Chunk(g, b, b + 1)
-            calls = self._stepper.calls(chunk, hypers[g], finished.grads, finished.got[g], weights=False)
-            self._stepper.advance(chunk, finished.got[g])
-            done = threading.Event()
-            self._committed[(g, b)] = done
-
-            def job(calls: list[dict[str, Any]] = calls, done: threading.Event = done) -> None:
-                run(calls)
-                done.set()
-
-            self._worker.submit(job)
+            steps = list(self._stepper.steps(g))
+            for b in range(len(layout.buckets)):
+                chunk = Chunk(g, b, b + 1)
+                if any(finished.got[g][i] for i in self._stepper.members_of(chunk)):
+                    self._deferred[(g, b)] = _Deferred(hypers[g], list(finished.got[g]), steps)
+                    self._stepper.advance(chunk, finished.got[g])
+            # The grads stay for the commit; the previews' weights, uploaded, become the slots.
+            self.spare[g] = self._link.swap_buffer(g, self.spare[g])
+        self._stepper.forget_lists()
 
     def reset(self) -> None:
         self._previews.clear()
-        self._order.clear()
         self._failed.clear()
 
     def close(self) -> None:
         try:
-            self._worker.wait()
+            self.settle()
         finally:
             self._worker.stop()
-        for buffer in self.buffers:
-            if buffer is not None:
-                buffer.close()
+            for buffer in self.spare:
+                if buffer is not None:
+                    buffer.close()
 
-    def _stored_steps(self, g: int, members: list[int]) -> tuple[int, ...]:
-        steps = self._stepper.steps(g)
-        return tuple(steps[i] for i in members)
+
+def _fused(commit: list[dict[str, Any]], preview: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """The commit and the preview as one pass (``adam_step(..., then=...)``) where they step the same tensors."""
+    if len(commit) != 1 or len(preview) != 1:
+        return None
+    c, p = commit[0], preview[0]
+    for name in ("params", "exp_avgs", "exp_avg_sqs", "state_scales"):
+        if len(c[name]) != len(p[name]) or not all(_same_view(a, b) for a, b in zip(c[name], p[name])):
+            return None
+    if any(c[name] != p[name] for name in ("counter_offsets", "seed", "stochastic_rounding")):
+        return None
+    scalars = ("lr", "beta1", "beta2", "eps", "weight_decay", "adamw_mode", "grad_scale")
+    then = NextStep(p["grads"], p["step"], **{name: p[name] for name in scalars})
+    return [{**c, "bf16_outs": p["bf16_outs"], "then": then}]
+
+
+def _same_view(a: Tensor, b: Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
 
 
 def overlap_for(

@@ -75,11 +75,13 @@ class Stepper:
         *,
         outputs: Tensor | None = None,
         weights: bool = True,
+        steps: list[int] | None = None,
     ) -> list[dict[str, Any]]:
         """The kernel calls of a step of ``chunk``, to run now or later (``run``).
 
         The new bf16 weights go where the link wants them, or into ``outputs`` (a host buffer in
-        the layout of the link's), or nowhere (``weights=False``: the state alone).
+        the layout of the link's), or nowhere (``weights=False``: the state alone). ``steps``: the
+        params' step counts before this step, where they are not the store's now (a step deferred).
         """
         return [
             dict(
@@ -93,7 +95,7 @@ class Stepper:
                 step=step,
                 **hyper,
             )
-            for step, tensors in self._lists_by_step(chunk, grads, got, outputs, weights).items()
+            for step, tensors in self._lists_by_step(chunk, grads, got, outputs, weights, steps).items()
         ]
 
     def advance(self, chunk: Chunk, got: list[bool]) -> None:
@@ -119,6 +121,10 @@ class Stepper:
             ]
         return self._segments[chunk]
 
+    def forget_lists(self) -> None:
+        """The link's buffers changed roles: the kept kernel lists point into the old ones."""
+        self._lists.clear()
+
     def _check_storage(self, g: int) -> None:
         storage = [p.data_ptr() for p in self._params[g]]
         if storage != self._storage[g]:
@@ -133,6 +139,7 @@ class Stepper:
         got: list[bool],
         outputs: Tensor | None,
         weights: bool,
+        counts: list[int] | None,
     ) -> dict[int, tuple[list, ...]]:
         """The kernel's (masters, grads, exp_avgs, exp_avg_sqs, bf16_outs, counter offsets, state scales), by step.
 
@@ -142,9 +149,10 @@ class Stepper:
         g = chunk.group
         segments = self._segments_of(chunk)
         plan = [s for s in segments if got[s[0]]]
-        steps = {self._store.steps[g][i] + 1 for i, *_ in plan}  # the step being taken
+        counts = self._store.steps[g] if counts is None else counts
+        steps = {counts[i] + 1 for i, *_ in plan}  # the step being taken
         buffer = self._link.buffers[g].tensor
-        cached = outputs is None and weights
+        cached = outputs is None and weights and counts is self._store.steps[g]
         reusable = cached and len(plan) == len(segments) and len(steps) == 1
         reusable = reusable and all(grads[(g, b)] is buffer for b in range(chunk.first, chunk.last))
         if reusable and chunk in self._lists:
@@ -152,7 +160,7 @@ class Stepper:
         per_param = cached and self._link.direct
         by_step: dict[int, list[list]] = {}
         for i, part, host, b in plan:
-            runs = by_step.setdefault(self._store.steps[g][i] + 1, [])
+            runs = by_step.setdefault(counts[i] + 1, [])
             if not per_param and runs and runs[-1][3] == b and runs[-1][4] == i - 1:
                 runs[-1][0], runs[-1][4] = slice(runs[-1][0].start, host.stop), i
             else:
