@@ -8,12 +8,15 @@ the previews (the step then runs serially), and a plain step must take them.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from conftest import raw
 from offload_helpers import CopyingCPU, FailingBackward, batches, lm_loss, loss_failing_midway, make_model
+from rank_spawn import run_ranks
 
 from cpu_adam import OffloadOptimizer, offload
 
@@ -220,3 +223,30 @@ def test_a_bucket_missing_from_a_backward_commits_its_deferred_step_at_the_next_
     overlapped, held = run("backward")
     assert _same(overlapped, serial)
     assert all(held[1:])
+
+
+def _zero_rank(rank: int, world_size: int, out: Path) -> None:
+    data = batches(STEPS, batch=8)
+    for overlap in ("none", "backward"):
+        model = make_model(0)
+        opt = OffloadOptimizer(model.parameters(), **HYPER, process_group=dist.group.WORLD, overlap=overlap)
+        held = []
+        for step, tokens in enumerate(data):
+            lm_loss(model, tokens.chunk(world_size)[rank]).backward()
+            if step == 2:
+                opt.param_groups[0]["lr"] *= 0.5  # a mis-speculation on one step
+            opt.step()
+            held.append(opt.last_step_overlapped)
+        state = opt.state_dict()["state"][0]
+        seen = [raw(p) for p in model.parameters()] + [raw(state[k]) for k in ("master", "exp_avg", "exp_avg_sq")]
+        torch.save({"seen": seen, "held": held}, out / f"{overlap}{rank}.pt")
+        opt.close()
+
+
+@pytest.mark.dist
+def test_zero_ranks_stepping_during_backward_equal_the_serial_step(tmp_path: Path):
+    run_ranks(_zero_rank, tmp_path, timeout_s=90.0)
+    for rank in range(2):
+        serial, overlapped = (torch.load(tmp_path / f"{mode}{rank}.pt") for mode in ("none", "backward"))
+        assert _same(overlapped["seen"], serial["seen"])
+        assert overlapped["held"] == [False, True, False, True, True]

@@ -67,10 +67,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
     weights at full precision) or on the meta device (their weights must be written before the
     first step); they are moved to ``device`` as bf16 one at a time (``handover.py``).
 
-    ``overlap="backward"`` previews each bucket's step on a worker thread while backward runs
-    (+2 bytes per param) and uploads the previews at ``step()`` where they all hold; otherwise,
-    and with ``"none"`` (the default), the step runs after backward. Both give the same bits
-    (``overlap.py``).
+    ``overlap="backward"`` keeps the state one step behind: a worker thread commits the deferred
+    step and previews the new one as each bucket's grads land (+2 bytes per param), and
+    ``step()`` uploads the previews where they all hold; otherwise, and with ``"none"`` (the
+    default), the step runs after backward. Both give the same bits (``overlap.py``).
 
     With ``process_group`` (a ``torch.distributed`` group, e.g. ``dist.group.WORLD``) the ranks
     train one data-parallel model: grads are averaged over the ranks as DDP does, and each rank
