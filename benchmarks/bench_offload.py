@@ -78,9 +78,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # The bare kernel on buffers of the same sizes and dtypes as the optimizer's. Its speed
     # depends on the data (real grads make subnormal moments, a slow path of the FPU), so on
     # the CPU each round it gets a copy of the real grads; on CUDA they are gone by then.
-    shards = [g for g, layout in enumerate(opt._layouts) if layout is not None]
-    opt._model.sync_masters(opt._store)  # the masters as the first step will see them: the weights, in the host layout
-    state = [opt._store.export(g) for g in shards]
+    shards = [g for g, layout in enumerate(opt._rooms.layouts) if layout is not None]
+    opt._rooms.model.sync_masters(
+        opt._rooms.store
+    )  # the masters as the first step will see them: the weights, in the host layout
+    state = [opt._rooms.store.export(g) for g in shards]
     bare = [
         (
             s["master"].clone(),
@@ -135,7 +137,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         scale = 1.0
         if real_grads:  # and the same clipping scale: how small the moments get depends on it
             for g, buffers in zip(shards, bare):
-                buffers[1].copy_(opt._link.buffers[g].tensor)
+                buffers[1].copy_(opt._rooms.link.buffers[g].tensor)
             norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(b[1].float()) for b in bare]))
             scale = min(1.0, 1.0 / (float(norm) + 1e-6))
             t1 = time.perf_counter()

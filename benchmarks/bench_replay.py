@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from cpu_adam import OffloadOptimizer
-from cpu_adam.offload import optimizer as offload_optimizer
+from cpu_adam.offload import rooms as offload_rooms
 from cpu_adam.offload.device import DeviceOps
 
 FORWARD_MS, BACKWARD_MS = 80.0, 190.0  # one H100, 1.32B GPT, seq 2048, batch 8
@@ -72,7 +72,7 @@ class _Layer(torch.autograd.Function):
 
 def _timed_steps(args: argparse.Namespace, options: dict, overlap: str, timeline: tuple[float, float]) -> dict:
     forward_s, backward_s = timeline
-    offload_optimizer.DeviceOps = CopyingDevice if args.copies else DeviceOps
+    offload_rooms.DeviceOps = CopyingDevice if args.copies else DeviceOps
     try:
         size = args.params // args.layers
         layers = [torch.nn.Parameter(torch.randn(size).to(torch.bfloat16)) for _ in range(args.layers)]
@@ -81,7 +81,7 @@ def _timed_steps(args: argparse.Namespace, options: dict, overlap: str, timeline
             p.register_post_accumulate_grad_hook(lambda p, pool=pool: pool.append(p.grad))
         opt = OffloadOptimizer(layers, lr=1e-4, max_grad_norm=1.0, overlap=overlap, **options)
     finally:
-        offload_optimizer.DeviceOps = DeviceOps
+        offload_rooms.DeviceOps = DeviceOps
     g = torch.Generator().manual_seed(0)
     # Grads of norm 0.5: clipping is on and never clips, as in most steps of a real run.
     grads = [torch.randn(p.numel(), generator=g) for p in layers]

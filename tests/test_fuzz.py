@@ -633,8 +633,8 @@ def grouped(optimizer: torch.optim.Optimizer, index: int | None) -> list[Tensor]
 def offload_state(optimizer: OffloadOptimizer, params: list[Tensor]) -> list[Any]:
     out = [p.detach().clone() for p in params] + [optimizer.skipped_steps]
     out += [m.clone() for m in optimizer.master_weights()]
-    store = optimizer._store  # the host buffers: a state dict before the first step holds none
-    for g, layout in enumerate(optimizer._layouts):
+    store = optimizer._rooms.store  # the host buffers: a state dict before the first step holds none
+    for g, layout in enumerate(optimizer._rooms.layouts):
         if layout is not None:
             tensors = store.export(g)
             out += [tensors["exp_avg"].clone(), tensors["exp_avg_sq"].clone(), list(store.steps[g])]

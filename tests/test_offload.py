@@ -46,7 +46,7 @@ def test_params_keep_their_own_storage():
     opt.step()
     assert [p.untyped_storage().data_ptr() for p in params] == storage
     assert len({p.untyped_storage().data_ptr() for p in params}) == len(params)
-    assert len(opt._layouts[0].buckets) > 2
+    assert len(opt._rooms.layouts[0].buckets) > 2
     assert model.head.weight is model.emb.weight
     assert opt.memory_stats()["params"] == sum(p.numel() for p in params)
 
@@ -153,7 +153,7 @@ def test_accumulation_equals_one_large_batch():
         big_opt.step()
         for chunk in tokens.chunk(micro):
             (lm_loss(model, chunk) / micro).backward()
-        assert opt.memory_stats()["accumulator_bytes"] == 4 * opt._layouts[0].numel
+        assert opt.memory_stats()["accumulator_bytes"] == 4 * opt._rooms.layouts[0].numel
         grads = tap.take()  # the fp32 sum of the micro-batches' bf16 grads
         oracle.step(grads)
         opt.step()
@@ -549,7 +549,7 @@ def test_repr_lists_param_groups_as_torch_does():
 
 
 def test_the_copy_path_used_on_gpus(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(offload.optimizer, "DeviceOps", CopyingCPU)
+    monkeypatch.setattr(offload.rooms, "DeviceOps", CopyingCPU)
     model, params, tap, opt, oracle = build(max_norm=0.5)
     for i, tokens in enumerate(batches(6)):
         for chunk in tokens.chunk(2 if i % 2 else 1):  # with and without accumulation

@@ -86,7 +86,7 @@ def test_the_gpu_copy_path_steps_as_the_cpu_path(monkeypatch: pytest.MonkeyPatch
         return model, opt
 
     direct_model, direct = train()
-    monkeypatch.setattr(offload.optimizer, "DeviceOps", CopyingCPU)
+    monkeypatch.setattr(offload.rooms, "DeviceOps", CopyingCPU)
     copied_model, copied = train()
     a, b = direct.state_dict()["state"][0], copied.state_dict()["state"][0]
     for name in ("master", "exp_avg", "exp_avg_sq", "state_scales"):

@@ -43,8 +43,8 @@ def test_pinned_buffer_is_page_locked_at_exact_size():
     _, _, _, opt, _ = build()
     stats = opt.memory_stats()
     assert stats["pinned"]
-    assert opt._link.buffers[0].tensor.is_pinned()
-    assert stats["pinned_bytes"] == 2 * opt._layouts[0].numel
+    assert opt._rooms.link.buffers[0].tensor.is_pinned()
+    assert stats["pinned_bytes"] == 2 * opt._rooms.layouts[0].numel
 
 
 def test_parity_with_torch_adamw_on_cuda():
@@ -86,13 +86,13 @@ def test_accumulation_on_cuda():
 
 def _slow_side_stream_copies(opt: OffloadOptimizer) -> None:
     """Every copy the optimizer makes on its side stream first waits behind a long kernel."""
-    copy = opt._dev.copy
+    copy = opt._rooms.dev.copy
 
     def slow_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
         torch.cuda._sleep(SLEEP_CYCLES)  # queued on the current stream: the side stream here
         copy(dst, src)
 
-    opt._dev.copy = slow_copy
+    opt._rooms.dev.copy = slow_copy
 
 
 def test_stream_ordering_survives_slow_copies():
@@ -369,7 +369,7 @@ def test_reentrant_checkpointing_with_a_shared_param_matches_adamw():
     oracle = AdamWOracle([{"params": params}], **HYPER)
     for tokens in batches(4, device="cuda"):
         reentrant_checkpointed_loss(model, tokens).backward()
-        assert opt._window.micro == 1
+        assert opt._rooms.window.micro == 1
         oracle.step(tap.take())
         opt.step()
         assert_matches_oracle(opt, params, oracle)

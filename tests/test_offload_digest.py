@@ -93,12 +93,12 @@ def _device(kind: str) -> Iterator[None]:
     if kind == "cpu":
         yield
         return
-    original = offload.optimizer.DeviceOps
-    offload.optimizer.DeviceOps = CopyingCPU
+    original = offload.rooms.DeviceOps
+    offload.rooms.DeviceOps = CopyingCPU
     try:
         yield
     finally:
-        offload.optimizer.DeviceOps = original
+        offload.rooms.DeviceOps = original
 
 
 def _digest_of(items: list[tuple[str, Any]]) -> str:

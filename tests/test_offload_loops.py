@@ -39,7 +39,7 @@ def _simulated_oom(grad: torch.Tensor) -> None:
 def _state(model: nn.Module, opt: OffloadOptimizer) -> list[torch.Tensor]:
     weights = [p.detach().clone() for p in model.parameters()]
     masters = [m.clone() for m in opt.master_weights()]
-    moments = opt._store.export(0)  # as the host holds them (a state dict before a step has none)
+    moments = opt._rooms.store.export(0)  # as the host holds them (a state dict before a step has none)
     return [*weights, *masters, moments["exp_avg"].clone(), moments["exp_avg_sq"].clone()]
 
 
@@ -105,7 +105,7 @@ def test_reentrant_checkpointing_with_shared_params_matches_adamw(micro_batches:
     for tokens in batches(6):
         for chunk in tokens.chunk(micro_batches):
             (reentrant_checkpointed_loss(model, chunk) / micro_batches).backward()
-        assert opt._window.micro == micro_batches, "one micro-batch per user backward"
+        assert opt._rooms.window.micro == micro_batches, "one micro-batch per user backward"
         oracle.step(tap.take())
         opt.step()
         assert_matches_oracle(opt, params, oracle)
@@ -168,7 +168,7 @@ def test_params_converted_after_construction_raise_at_step():
 
 
 def test_device_memory_stays_bounded_when_buckets_never_fill(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(offload.optimizer, "DeviceOps", CopyingCPU)
+    monkeypatch.setattr(offload.rooms, "DeviceOps", CopyingCPU)
     width, layers = 32, 16
     model = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(layers)]).to(torch.bfloat16)
     used = list(model)[: layers // 2]
@@ -306,7 +306,7 @@ def test_a_step_that_raises_leaves_the_step_counts_alone(monkeypatch: pytest.Mon
     monkeypatch.setattr(offload.stepper, "adam_step", failing_kernel)
     with pytest.raises(RuntimeError, match="simulated"):
         opt.step()
-    assert opt._store.steps[0] == [0] * len(opt._layouts[0].shapes)
+    assert opt._rooms.store.steps[0] == [0] * len(opt._rooms.layouts[0].shapes)
 
 
 def test_params_that_are_views_of_one_buffer_stay_views_or_are_refused():
@@ -360,7 +360,7 @@ def test_a_later_group_whose_scalars_overflow_the_step_leaves_every_group_alone(
         opt.step()
     after = [p.detach().clone() for p in model.parameters()] + [m.clone() for m in opt.master_weights()]
     assert all(torch.equal(a, b) for a, b in zip(before, after))
-    assert all(n == 0 for steps in opt._store.steps for n in steps)
+    assert all(n == 0 for steps in opt._rooms.store.steps for n in steps)
 
 
 def test_weights_loaded_into_the_model_between_steps_are_trained_from():

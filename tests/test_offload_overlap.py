@@ -58,7 +58,7 @@ def test_plain_steps_take_the_previews_and_equal_the_serial_step(
     monkeypatch: pytest.MonkeyPatch, device: str, options: dict
 ):
     if device == "copying":
-        monkeypatch.setattr(offload.optimizer, "DeviceOps", CopyingCPU)
+        monkeypatch.setattr(offload.rooms, "DeviceOps", CopyingCPU)
     serial, _ = _train("none", **options)
     overlapped, held = _train("backward", **options)
     assert _same(overlapped, serial)

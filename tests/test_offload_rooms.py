@@ -35,19 +35,19 @@ def _built(last_loss_scale: float = 1.0, **options) -> tuple[torch.nn.Module, Of
 
 
 def _state(model: torch.nn.Module, opt: OffloadOptimizer) -> list[torch.Tensor]:
-    return [raw(p) for p in model.parameters()] + [raw(t) for t in opt._store.export(0).values()]
+    return [raw(p) for p in model.parameters()] + [raw(t) for t in opt._rooms.store.export(0).values()]
 
 
 def _step_by_hand(opt: OffloadOptimizer, chunks: list, scales: list[float]) -> None:
     """What ``step()`` does, for the given chunks only, each with its own scale."""
-    opt._link.wait_all()
-    opt._model.sync_masters(opt._store)
-    finished = opt._window.finish(None)
+    opt._rooms.link.wait_all()
+    opt._rooms.model.sync_masters(opt._rooms.store)
+    finished = opt._rooms.window.finish(None)
     for chunk, scale in zip(chunks, scales):
         hyper = opt._hyper(opt.param_groups[chunk.group], scale)
-        opt._stepper.step(chunk, hyper, finished.grads, finished.got[chunk.group])
+        opt._rooms.stepper.step(chunk, hyper, finished.grads, finished.got[chunk.group])
         for b in range(chunk.first, chunk.last):
-            opt._link.up(chunk.group, b, finished.got[chunk.group])
+            opt._rooms.link.up(chunk.group, b, finished.got[chunk.group])
     opt._new_window()
 
 
@@ -56,7 +56,7 @@ def test_chunks_stepped_in_reverse_order_give_the_serial_step(small_chunks: None
     opt.step()
     expected = _state(model, opt)
     model, opt = _built()
-    chunks = opt._stepper.chunks[0]
+    chunks = opt._rooms.stepper.chunks[0]
     assert len(chunks) >= 3
     _step_by_hand(opt, chunks[::-1], [1.0] * len(chunks))
     assert all(torch.equal(a, b) for a, b in zip(_state(model, opt), expected))
@@ -68,18 +68,18 @@ def test_a_subset_of_chunks_steps_those_params_alone_and_counts_their_steps(smal
     stepped_weights = [raw(p) for p in model.parameters()]
     model, opt = _built()
     before = [raw(p) for p in model.parameters()]
-    steps_before = list(opt._store.steps[0])
-    chunk = opt._stepper.chunks[0][1]
+    steps_before = list(opt._rooms.store.steps[0])
+    chunk = opt._rooms.stepper.chunks[0][1]
     _step_by_hand(opt, [chunk], [1.0])
-    layout = opt._layouts[0]
+    layout = opt._rooms.layouts[0]
     members = {i for i, b in enumerate(layout.bucket_of) if chunk.first <= b < chunk.last}
     params = list(model.parameters())
-    index = {id(p): i for i, p in enumerate(opt._model.params[0])}
+    index = {id(p): i for i, p in enumerate(opt._rooms.model.params[0])}
     for n, p in enumerate(params):
         i = index[id(p)]
         expected = stepped_weights[n] if i in members else before[n]
         assert torch.equal(raw(p), expected), f"param {i} ({'in' if i in members else 'outside'} the chunk)"
-    assert opt._store.steps[0] == [n + (i in members) for i, n in enumerate(steps_before)]
+    assert opt._rooms.store.steps[0] == [n + (i in members) for i, n in enumerate(steps_before)]
 
 
 def test_each_chunk_takes_the_scale_it_is_given(small_chunks: None):
@@ -91,10 +91,10 @@ def test_each_chunk_takes_the_scale_it_is_given(small_chunks: None):
     opt.step()
     full = [raw(p) for p in model.parameters()]
     model, opt = _built()
-    chunks = opt._stepper.chunks[0]
+    chunks = opt._rooms.stepper.chunks[0]
     _step_by_hand(opt, chunks, [0.5] + [1.0] * (len(chunks) - 1))
-    first = {i for i, b in enumerate(opt._layouts[0].bucket_of) if chunks[0].first <= b < chunks[0].last}
-    index = {id(p): i for i, p in enumerate(opt._model.params[0])}
+    first = {i for i, b in enumerate(opt._rooms.layouts[0].bucket_of) if chunks[0].first <= b < chunks[0].last}
+    index = {id(p): i for i, p in enumerate(opt._rooms.model.params[0])}
     for n, p in enumerate(model.parameters()):
         expected = halved[n] if index[id(p)] in first else full[n]
         assert torch.equal(raw(p), expected)
@@ -104,7 +104,7 @@ def test_each_chunk_takes_the_scale_it_is_given(small_chunks: None):
 def test_the_host_store_is_a_store_whose_export_and_load_round_trip():
     _, opt = _built(state_precision="8bit")
     opt.step()
-    store = opt._store
+    store = opt._rooms.store
     assert isinstance(store, HostStore)
     assert all(
         callable(getattr(store, name)) for name in Store.__dict__ if not name.startswith("_") and name != "steps"
@@ -114,7 +114,7 @@ def test_the_host_store_is_a_store_whose_export_and_load_round_trip():
     master, states = store.nbytes()
     stats = opt.memory_stats()
     assert (master, states) == (stats["master_bytes"], stats["state_bytes"])
-    fresh = HostStore(opt._layouts, torch.float32, torch.uint8)
+    fresh = HostStore(opt._rooms.layouts, torch.float32, torch.uint8)
     fresh.load(0, saved, steps)
     assert all(torch.equal(fresh.export(0)[k], v) for k, v in saved.items()) and fresh.steps[0] == steps
     view = fresh.views(0, slice(256, 768))
@@ -123,10 +123,10 @@ def test_the_host_store_is_a_store_whose_export_and_load_round_trip():
 
 
 def test_each_slot_goes_through_explicit_states(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(offload.optimizer, "DeviceOps", CopyingCPU)
+    monkeypatch.setattr(offload.rooms, "DeviceOps", CopyingCPU)
     model = make_model(0)
     opt = OffloadOptimizer(model.parameters(), **HYPER)
-    link = opt._link
+    link = opt._rooms.link
     assert set(link.slots.values()) == {Slot.EMPTY}
     lm_loss(model, batches(1)[0]).backward()
     assert set(link.slots.values()) <= {Slot.RECEIVING, Slot.GRADS} and Slot.RECEIVING in set(link.slots.values())
@@ -140,4 +140,4 @@ def test_each_slot_goes_through_explicit_states(monkeypatch: pytest.MonkeyPatch)
     assert Slot.RECEIVING in set(link.slots.values())
     receiving = next(key for key, state in link.slots.items() if state == Slot.RECEIVING)
     with pytest.raises(RuntimeError, match="uploaded while its grads land"):
-        link._upload(*receiving, [True] * len(opt._model.params[0]), link.buffers[receiving[0]].tensor)
+        link._upload(*receiving, [True] * len(opt._rooms.model.params[0]), link.buffers[receiving[0]].tensor)

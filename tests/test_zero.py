@@ -60,7 +60,7 @@ def _zero_opt(model: nn.Module, **options: Any) -> OffloadOptimizer:
     return OffloadOptimizer(model.parameters(), **HYPER, process_group=dist.group.WORLD, **options)
 
 
-_CPU = offload.optimizer.DeviceOps
+_CPU = offload.rooms.DeviceOps
 
 
 # -- rank functions (run in the spawned processes) ------------------------------------------
@@ -89,16 +89,16 @@ def _parity_rank(rank: int, world_size: int, out: Path) -> None:
     # "fallback": the same through all-reduce + slice instead of reduce-scatter.
     model = make_model(0)
     opt = _zero_opt(model, max_grad_norm=0.5)
-    opt._world.native_reduce_scatter = False
+    opt._rooms.world.native_reduce_scatter = False
     _train(model, opt, halves)
     torch.save(_snapshot(model, opt), out / f"fallback{rank}.pt")
 
     # "copying": the GPU code path (staging areas, reduced pieces copied down, weights uploaded
     # into their place and all-gathered in place), with the CPU standing in for the device.
-    offload.optimizer.DeviceOps = CopyingCPU
+    offload.rooms.DeviceOps = CopyingCPU
     model = make_model(0)
     opt = _zero_opt(model, max_grad_norm=0.5)
-    offload.optimizer.DeviceOps = _CPU
+    offload.rooms.DeviceOps = _CPU
     _train(model, opt, halves)
     torch.save(_snapshot(model, opt), out / f"copying{rank}.pt")
 
@@ -178,7 +178,9 @@ def _robustness_rank(rank: int, world_size: int, out: Path) -> None:
     # The same, handed over from fp32 CPU models: rank 0's fp32 values become every rank's masters.
     model = make_model(seed=rank, dtype=torch.float32)
     opt = _zero_opt(model, device="cpu")
-    torch.save(_snapshot(model, opt, master=opt._store.master(0, slice(None)).clone()), out / f"handover{rank}.pt")
+    torch.save(
+        _snapshot(model, opt, master=opt._rooms.store.master(0, slice(None)).clone()), out / f"handover{rank}.pt"
+    )
 
     # Graphs that differ: rank 1 leaves the MLP out, or multiplies it by 0 (the same zero grads,
     # sent in another order). No hang, no error, the same bits.
@@ -201,17 +203,17 @@ def _robustness_rank(rank: int, world_size: int, out: Path) -> None:
 
     # Two param groups, weights and biases, as recipes split them: after the first backward the
     # buckets are reduced in the order they fill, so the device holds a few buckets, not all.
-    offload.optimizer.DeviceOps = CopyingCPU
+    offload.rooms.DeviceOps = CopyingCPU
     layers = nn.Sequential(*[nn.Linear(32, 32) for _ in range(8)]).to(torch.bfloat16)
     weights = [m.weight for m in layers]
     biases = [m.bias for m in layers]
     opt = OffloadOptimizer([{"params": weights}, {"params": biases}], bucket_size=1024, process_group=dist.group.WORLD)
-    offload.optimizer.DeviceOps = _CPU
+    offload.rooms.DeviceOps = _CPU
     peaks = []
     for _ in range(3):
-        opt._dev.peak_bytes = 0
+        opt._rooms.dev.peak_bytes = 0
         layers(torch.randn(4, 32, dtype=torch.bfloat16)).float().sum().backward()
-        peaks.append(opt._dev.peak_bytes)
+        peaks.append(opt._rooms.dev.peak_bytes)
         opt.step()
     torch.save(peaks, out / f"peaks{rank}.pt")
 
@@ -441,7 +443,7 @@ def test_consolidation_keeps_each_params_step_count(robustness_run: Path):
     model = make_model(0)
     opt = OffloadOptimizer(model.parameters(), **HYPER)
     opt.load_state_dict(full)
-    assert opt._store.steps[0] == steps
+    assert opt._rooms.store.steps[0] == steps
 
 
 def test_zero_device_memory_after_the_first_backward_is_a_few_buckets(robustness_run: Path):

@@ -24,21 +24,11 @@ from torch import Tensor
 
 from .._precision import resolved_precision, state_dtype
 from .._validation import check_hyper_parameters, check_param_group, checked_seed
+from . import rooms as house
 from . import state_dict as checkpoint
-from .device import DeviceOps
-from .handover import check_sources, hand_over, target_device
-from .hooks import Hooks
-from .layout import FlatLayout
-from .link import Link
 from .options import DEFAULT_BUCKET_SIZE, check_options, checked_max_grad_norm
-from .overlap import overlap_for
-from .params import ModelSide, check_no_shared_memory, check_params, check_unclaimed, claim, param_groups, release
+from .params import claim, param_groups, release
 from .placeholder import OffloadedGrad
-from .schedule import schedule_for
-from .stepper import Stepper
-from .store import HostStore
-from .window import Window
-from .world import world_of
 
 __all__ = ["OffloadOptimizer"]
 
@@ -124,67 +114,16 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._warned_no_grads = False
 
         trainable = [[p for p in g["params"] if p.requires_grad] for g in self.param_groups]
-        if device is None:
-            self._dev = DeviceOps(check_params(trainable))
-        else:  # a model on the CPU or the meta device, handed over (see handover.py)
-            self._dev = DeviceOps(target_device(device))
-            check_sources([p for ps in trainable for p in ps], self._dev.device)
-            check_no_shared_memory([p for ps in trainable for p in ps if not p.is_meta])
-        check_unclaimed(trainable)
-        # Before anything is allocated, so a bad group leaves the model alone.
-        self._world = world = world_of(process_group, self._dev.device)
-        world.check_same(
-            "the parameters and options",
-            (
-                [[tuple(p.shape) for p in ps] for ps in trainable],
-                bucket_size,
-                str(master_weights_dtype),
-                self.state_precision,
-                stochastic_rounding,
-            ),
-            "build the optimizer on the same model, param groups and options on every rank",
-        )
-        # Not drawn from torch's generator: building the optimizer must not shift the user's random
-        # stream, and replicas seeded per rank must still round alike.
-        self.seed = world.rank0_int(0 if seed is None else seed, "rank 0's seed")
-        if device is None:  # ranks initialised with other seeds would train a patchwork
-            for ps in trainable:
-                for p in ps:
-                    world.broadcast_from_rank0(p.detach())
-        self._layouts = [
-            FlatLayout([p.shape for p in ps], bucket_size, world_size=world.size, rank=world.rank) if ps else None
-            for ps in trainable
-        ]
-        self._store = HostStore(self._layouts, master_weights_dtype, self.state_dtype)
-        self._model = ModelSide(trainable, self._layouts, self._dev.device)
-        if device is not None:
-            hand_over(self._model, self._layouts, self._store, world)
-            check_params(trainable)
-        self._link = Link(self._dev, world, self._layouts, trainable, max_inflight_buckets)
-        self._window = Window(world, self._link, self._layouts)
-        self._stepper = Stepper(self._store, self._link, self._layouts, trainable)
-        self._overlap = overlap_for(
+        options = house.Options(
+            bucket_size,
+            master_weights_dtype,
+            self.state_precision,
+            stochastic_rounding,
+            max_inflight_buckets,
             overlap,
-            self._dev,
-            world,
-            self._layouts,
-            self._window,
-            self._stepper,
-            self._link,
-            lambda g, scale: self._hyper(self.param_groups[g], scale),
         )
-        self._hooks = Hooks(
-            self._dev,
-            trainable,
-            self._layouts,
-            self._link,
-            self._window,
-            schedule_for(world, self._layouts),
-            self._overlap,
-        )
-        self._rooms = checkpoint.Rooms(
-            self._layouts, self._store, self._model, self._link, self._dev, world, bucket_size, self.state_dtype
-        )
+        hyper_of = lambda g, scale: self._hyper(self.param_groups[g], scale)  # noqa: E731
+        self._rooms, self.seed = house.build(trainable, device, process_group, options, seed, hyper_of)
         # Wrappers that copy this __dict__ (Lightning's) are other objects: they must not close it.
         # An id, not a weak reference: the cycle collector clears those before __del__ runs.
         self._owner_id = id(self)
@@ -210,11 +149,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     @property
     def world_size(self) -> int:
-        return self._world.size
+        return self._rooms.world.size
 
     @property
     def rank(self) -> int:
-        return self._world.rank
+        return self._rooms.world.rank
 
     # -- step ---------------------------------------------------------------------------------
 
@@ -224,7 +163,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One Adam step on the grads of the backward passes since the last step or zero_grad."""
         self._check_usable()
-        self._model.check_written()
+        self._rooms.model.check_written()
         if getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None:
             self.grad_scale = self.found_inf = None
             raise RuntimeError(
@@ -238,19 +177,20 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 loss = closure()
         for g, options in enumerate(self.param_groups):  # edited groups, refused before anything changes
             check_param_group(f"{OWNER} param group {g}", options)
-        self._world.check_alive()  # also after a backward that failed on it
-        self._window.check_finished()
-        if not self._window.has_grads:  # with ZeRO, the ranks shared which params got grads
+        r = self._rooms
+        r.world.check_alive()  # also after a backward that failed on it
+        r.window.check_finished()
+        if not r.window.has_grads:  # with ZeRO, the ranks shared which params got grads
             self._warn_no_grads()
             return loss  # no grads: like torch's optimizers, leave every param as it is
         t0 = time.perf_counter()
-        self._link.wait_all()
-        self._overlap.settle()  # this window's previews, and the commits of the step before
+        r.link.wait_all()
+        r.overlap.settle()  # this window's previews, and the commits of the step before
         t1 = time.perf_counter()
-        self._model.check_storage()
-        synced = self._model.sync_masters(self._store)
+        r.model.check_storage()
+        synced = r.model.sync_masters(r.store)
         self.last_step_overlapped = False
-        finished = self._window.finish(self.max_grad_norm)
+        finished = r.window.finish(self.max_grad_norm)
         self.last_grad_norm = finished.norm
         t2 = time.perf_counter()
         if finished.scale is None:
@@ -263,25 +203,25 @@ class OffloadOptimizer(torch.optim.Optimizer):
         else:
             hypers = [
                 None if layout is None else self._hyper(o, finished.scale)
-                for o, layout in zip(self.param_groups, self._layouts)
+                for o, layout in zip(self.param_groups, r.layouts)
             ]
-            self._stepper.check(hypers, finished.got)
-            previews = self._overlap.previews(hypers, finished, synced)
+            r.stepper.check(hypers, finished.got)
+            previews = r.overlap.previews(hypers, finished, synced)
             self.last_step_overlapped = previews is not None
-            with self._dev.side_stream():  # uploads wait for what the compute stream still does with the weights
+            with r.dev.side_stream():  # uploads wait for what the compute stream still does with the weights
                 for g, hyper in enumerate(hypers):
                     if hyper is None:
                         continue
-                    for chunk in self._stepper.chunks[g]:  # each chunk's uploads overlap the next chunk's compute
+                    for chunk in r.stepper.chunks[g]:  # each chunk's uploads overlap the next chunk's compute
                         if previews is None:
-                            self._stepper.step(chunk, hyper, finished.grads, finished.got[g])
+                            r.stepper.step(chunk, hyper, finished.grads, finished.got[g])
                         for b in range(chunk.first, chunk.last):
-                            self._link.up(g, b, finished.got[g], None if previews is None else previews[g])
-                    self._model.note_versions(g)  # the optimizer's own writes
-                event = self._dev.record()
-            self._dev.compute_waits(event)
+                            r.link.up(g, b, finished.got[g], None if previews is None else previews[g])
+                    r.model.note_versions(g)  # the optimizer's own writes
+                event = r.dev.record()
+            r.dev.compute_waits(event)
             if previews is not None:
-                self._overlap.defer(hypers, finished)  # the state, committed during the next backward
+                r.overlap.defer(hypers, finished)  # the state, committed during the next backward
         self._new_window()
         self.step_timings = {"grads_wait_s": t1 - t0, "norm_s": t2 - t1, "adam_s": time.perf_counter() - t2}
         return loss
@@ -301,9 +241,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         )
 
     def _new_window(self) -> None:
-        self._window.reset()
-        self._hooks.reset()
-        self._overlap.reset()
+        self._rooms.window.reset()
+        self._rooms.hooks.reset()
+        self._rooms.overlap.reset()
 
     def _warn_no_grads(self) -> None:
         if not self._warned_no_grads:
@@ -320,7 +260,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def _check_usable(self) -> None:
         if self._closed:
             raise RuntimeError("cpu_adam.OffloadOptimizer: this optimizer was closed; build a new one to train")
-        if self._dev.is_capturing():
+        if self._rooms.dev.is_capturing():
             raise RuntimeError(
                 "cpu_adam.OffloadOptimizer: step() cannot be captured in a CUDA graph: it waits on the host for the "
                 "grads and runs Adam on the CPU. Capture the forward only, or train without CUDA graphs"
@@ -328,7 +268,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Discards the grads of the backward passes so far (a failed one's too): a new window begins."""
-        self._link.wait_all()
+        self._rooms.link.wait_all()
         self._new_window()
         for options in self.param_groups:
             for p in options["params"]:
@@ -346,55 +286,21 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if self._closed:
             return
         self._closed = True
-        self._hooks.remove()
+        self._rooms.hooks.remove()
         self.zero_grad()  # no placeholder grads left on the params
-        self._overlap.close()
-        self._link.close()
-        release(self._model.params, self)
+        self._rooms.overlap.close()
+        self._rooms.link.close()
+        release(self._rooms.model.params, self)
 
     # -- memory and checkpoints ---------------------------------------------------------------
 
     def master_weights(self) -> list[Tensor]:
         """The host master weight of each trainable param (param_groups order, tied params once), as views."""
-        if self._world.size > 1:
-            raise RuntimeError(
-                "cpu_adam.OffloadOptimizer.master_weights: with a process group each rank holds a shard of the "
-                "masters; gather the ranks' state_dict() and use cpu_adam.distributed.consolidate_state_dict"
-            )
-        self._overlap.settle()
-        self._model.sync_masters(self._store)
-        return [
-            self._store.master(g, slice(*layout.param_range(i))).view(shape)
-            for g, layout in enumerate(self._layouts)
-            if layout is not None
-            for i, shape in enumerate(layout.shapes)
-        ]
+        return house.master_weights(self._rooms)
 
     def memory_stats(self) -> dict[str, Any]:
         """Bytes held, measured from the allocated tensors (this process's shard on the host)."""
-        layouts = [layout for layout in self._layouts if layout is not None]
-        params = sum(sum(layout.numels) for layout in layouts)
-        master, states = self._store.nbytes()
-        pinned = self._link.pinned_bytes
-        accumulator = self._window.accumulator_bytes
-        overlap = self._overlap.extra_bytes
-        host = master + states + pinned + accumulator + overlap
-        return {
-            "params": params,
-            "world_size": self._world.size,
-            "shard_elements": sum(layout.shard_numel for layout in layouts),  # this rank's, padding included
-            "host_bytes": host,
-            "host_bytes_per_param": host / params,
-            "master_bytes": master,
-            "state_bytes": states,
-            "pinned_bytes": pinned,
-            "pinned": self._link.pinned,
-            "accumulator_bytes": accumulator,
-            "overlap_bytes": overlap,  # the previews' bf16 weights with overlap="backward"
-            "weights_bytes": sum(p.numel() * p.element_size() for ps in self._model.params for p in ps),
-            "device_bytes": self._dev.held_bytes,
-            "device_peak_bytes": self._dev.peak_bytes,
-        }
+        return house.memory_stats(self._rooms)
 
     def state_dict(self) -> dict[str, Any]:
         """Masters, Adam states, step counts, hyper-parameters (max_grad_norm too), seed, skipped steps.
@@ -410,7 +316,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
-        self._overlap.settle()
+        self._rooms.overlap.settle()
         scalars = checkpoint.Scalars(self.seed, self.skipped_steps, self.max_grad_norm)
         state_dict = checkpoint.save(self._rooms, self.param_groups, scalars)
         for post_hook in self._optimizer_state_dict_post_hooks.values():
@@ -432,7 +338,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             returned = pre_hook(self, state_dict)
             if returned is not None:
                 state_dict = returned
-        self._overlap.settle()
+        self._rooms.overlap.settle()
         self.seed, self.skipped_steps, self.max_grad_norm = checkpoint.load(self._rooms, self.param_groups, state_dict)
         self._new_window()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():

@@ -10,7 +10,6 @@ A full state dict loads on any number of ranks, each taking its slice.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -19,34 +18,16 @@ from torch import Tensor
 from .._precision import MOMENTS, SCALES, converted_moments
 from .._validation import check_param_group, check_step_count, checked_seed
 from ..quant8 import BLOCK
-from .device import DeviceOps
 from .layout import FlatLayout, check_shard, from_legacy_layout, full_numel, full_to_shard
-from .link import Link
 from .options import checked_max_grad_norm
-from .params import ModelSide
-from .store import Store
-from .world import World
+from .rooms import Rooms
 
-__all__ = ["LEGACY_FORMAT", "STATE_DICT_FORMAT", "Rooms", "Scalars", "load", "save"]
+__all__ = ["LEGACY_FORMAT", "STATE_DICT_FORMAT", "Scalars", "load", "save"]
 
 # Format 2 lays params out on 256-element boundaries (an 8-bit scale block); format 1 used 64.
 STATE_DICT_FORMAT = "cpu_adam.OffloadOptimizer/2"
 LEGACY_FORMAT = "cpu_adam.OffloadOptimizer/1"
 _WHERE = "cpu_adam.OffloadOptimizer.load_state_dict"
-
-
-@dataclass(frozen=True)
-class Rooms:
-    """What the format reads and writes."""
-
-    layouts: list[FlatLayout | None]
-    store: Store
-    model: ModelSide
-    link: Link
-    dev: DeviceOps
-    world: World
-    bucket_size: int
-    state_dtype: torch.dtype
 
 
 class Scalars(NamedTuple):
@@ -83,7 +64,7 @@ def save(rooms: Rooms, param_groups: list[dict[str, Any]], scalars: Scalars) -> 
     }
     world = rooms.world
     if world.size > 1:
-        state_dict["zero"] = {"rank": world.rank, "world_size": world.size, "bucket_size": rooms.bucket_size}
+        state_dict["zero"] = {"rank": world.rank, "world_size": world.size, "bucket_size": rooms.options.bucket_size}
     return state_dict
 
 
@@ -109,11 +90,11 @@ def load(rooms: Rooms, param_groups: list[dict[str, Any]], state_dict: dict[str,
     problem: ValueError | None = None
     try:
         if zero is not None:
-            check_shard(zero, rooms.world.rank, rooms.world.size, rooms.bucket_size)
+            check_shard(zero, rooms.world.rank, rooms.world.size, rooms.options.bucket_size)
         loaded = [
             None
             if layout is None
-            else _loaded_tensors(rooms.state_dtype, g, layout, state_dict["state"][g], zero is None, legacy)
+            else _loaded_tensors(rooms.options.state_dtype, g, layout, state_dict["state"][g], zero is None, legacy)
             for g, layout in enumerate(rooms.layouts)
         ]
     except ValueError as error:

@@ -1,0 +1,160 @@
+"""The offload optimizer's rooms, built once in the order they depend on each other, and what they
+hold between them: the host and device bytes, the master weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .._precision import state_dtype
+from .device import DeviceOps
+from .handover import check_sources, hand_over, target_device
+from .hooks import Hooks
+from .layout import FlatLayout
+from .link import Link
+from .overlap import BackwardOverlap, NoOverlap, overlap_for
+from .params import ModelSide, check_no_shared_memory, check_params, check_unclaimed
+from .schedule import schedule_for
+from .stepper import Stepper
+from .store import HostStore, Store
+from .window import Window
+from .world import World, world_of
+
+__all__ = ["Options", "Rooms", "build", "master_weights", "memory_stats"]
+
+
+@dataclass(frozen=True)
+class Options:
+    """How the rooms are laid out and what they hold."""
+
+    bucket_size: int
+    master_dtype: torch.dtype
+    state_precision: str
+    stochastic_rounding: bool
+    max_inflight_buckets: int
+    overlap: str
+
+    @property
+    def state_dtype(self) -> torch.dtype:
+        return state_dtype(self.state_precision)
+
+
+@dataclass(frozen=True)
+class Rooms:
+    options: Options
+    dev: DeviceOps
+    world: World
+    layouts: list[FlatLayout | None]
+    store: Store
+    model: ModelSide
+    link: Link
+    window: Window
+    stepper: Stepper
+    overlap: NoOverlap | BackwardOverlap
+    hooks: Hooks
+
+
+def build(
+    trainable: list[list[Tensor]],
+    device: str | torch.device | None,
+    process_group: Any | None,
+    options: Options,
+    seed: int | None,
+    hyper_of: Callable[[int, float], dict[str, Any]],
+) -> tuple[Rooms, int]:
+    """The rooms over the ``trainable`` params of each group, and the seed every rank uses.
+
+    With ``device`` the params are handed over to it (from the CPU or the meta device); without,
+    they are checked to be bf16 on one device already. Everything is checked, and the ranks agree,
+    before anything is allocated, so a refused optimizer leaves the model alone.
+    """
+    if device is None:
+        dev = DeviceOps(check_params(trainable))
+    else:
+        dev = DeviceOps(target_device(device))
+        check_sources([p for ps in trainable for p in ps], dev.device)
+        check_no_shared_memory([p for ps in trainable for p in ps if not p.is_meta])
+    check_unclaimed(trainable)
+    world = world_of(process_group, dev.device)
+    world.check_same(
+        "the parameters and options",
+        (
+            [[tuple(p.shape) for p in ps] for ps in trainable],
+            options.bucket_size,
+            str(options.master_dtype),
+            options.state_precision,
+            options.stochastic_rounding,
+        ),
+        "build the optimizer on the same model, param groups and options on every rank",
+    )
+    # Not drawn from torch's generator: building the optimizer must not shift the user's random
+    # stream, and replicas seeded per rank must still round alike.
+    seed = world.rank0_int(0 if seed is None else seed, "rank 0's seed")
+    if device is None:  # ranks initialised with other seeds would train a patchwork
+        for ps in trainable:
+            for p in ps:
+                world.broadcast_from_rank0(p.detach())
+    layouts = [
+        FlatLayout([p.shape for p in ps], options.bucket_size, world_size=world.size, rank=world.rank) if ps else None
+        for ps in trainable
+    ]
+    store = HostStore(layouts, options.master_dtype, options.state_dtype)
+    model = ModelSide(trainable, layouts, dev.device)
+    if device is not None:
+        hand_over(model, layouts, store, world)
+        check_params(trainable)
+    link = Link(dev, world, layouts, trainable, options.max_inflight_buckets)
+    window = Window(world, link, layouts)
+    stepper = Stepper(store, link, layouts, trainable)
+    overlap = overlap_for(options.overlap, dev, world, layouts, window, stepper, link, hyper_of)
+    hooks = Hooks(dev, trainable, layouts, link, window, schedule_for(world, layouts), overlap)
+    return Rooms(options, dev, world, layouts, store, model, link, window, stepper, overlap, hooks), seed
+
+
+def memory_stats(rooms: Rooms) -> dict[str, Any]:
+    """Bytes held, measured from the allocated tensors (this process's shard on the host)."""
+    layouts = [layout for layout in rooms.layouts if layout is not None]
+    params = sum(sum(layout.numels) for layout in layouts)
+    master, states = rooms.store.nbytes()
+    pinned = rooms.link.pinned_bytes
+    accumulator = rooms.window.accumulator_bytes
+    overlap = rooms.overlap.extra_bytes
+    host = master + states + pinned + accumulator + overlap
+    return {
+        "params": params,
+        "world_size": rooms.world.size,
+        "shard_elements": sum(layout.shard_numel for layout in layouts),  # this rank's, padding included
+        "host_bytes": host,
+        "host_bytes_per_param": host / params,
+        "master_bytes": master,
+        "state_bytes": states,
+        "pinned_bytes": pinned,
+        "pinned": rooms.link.pinned,
+        "accumulator_bytes": accumulator,
+        "overlap_bytes": overlap,  # the spare bf16 buffer of overlap="backward"
+        "weights_bytes": sum(p.numel() * p.element_size() for ps in rooms.model.params for p in ps),
+        "device_bytes": rooms.dev.held_bytes,
+        "device_peak_bytes": rooms.dev.peak_bytes,
+    }
+
+
+def master_weights(rooms: Rooms) -> list[Tensor]:
+    """The host master weight of each trainable param (param_groups order, tied params once), as views."""
+    if rooms.world.size > 1:
+        raise RuntimeError(
+            "cpu_adam.OffloadOptimizer.master_weights: with a process group each rank holds a shard of the "
+            "masters; gather the ranks' state_dict() and use cpu_adam.distributed.consolidate_state_dict"
+        )
+    rooms.overlap.settle()
+    rooms.model.sync_masters(rooms.store)
+    return [
+        rooms.store.master(g, slice(*layout.param_range(i))).view(shape)
+        for g, layout in enumerate(rooms.layouts)
+        if layout is not None
+        for i, shape in enumerate(layout.shapes)
+    ]
