@@ -94,7 +94,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         check_hyper_parameters(OWNER, lr, betas, eps, weight_decay)
         self.state_precision = resolved_precision(OWNER, state_precision, fp32_optimizer_states)
         seed = None if seed is None else checked_seed(OWNER, seed)
-        check_options(master_weights_dtype, stochastic_rounding, max_inflight_buckets)
+        check_options(master_weights_dtype, stochastic_rounding, max_inflight_buckets, overlap)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode)
         self._building = True
         super().__init__(param_groups(params), defaults)
@@ -107,7 +107,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
         self.last_step_overlapped = False  # whether the last step's previews held (overlap="backward")
-        # Seconds the last step spent waiting for grads to come down, on the norm, on the kernel.
+        # Seconds the last step spent waiting for grads to come down (and previews), on the norm, on the
+        # kernel and the uploads, on the uploads alone.
         self.step_timings: dict[str, float] = {}
         self.bucket_size = bucket_size
         self._closed = False
@@ -206,6 +207,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 for o, layout in zip(self.param_groups, r.layouts)
             ]
             r.stepper.check(hypers, finished.got)
+            up_s = 0.0
             previews = r.overlap.previews(hypers, finished, synced)
             self.last_step_overlapped = previews is not None
             with r.dev.side_stream():  # uploads wait for what the compute stream still does with the weights
@@ -215,15 +217,19 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     for chunk in r.stepper.chunks[g]:  # each chunk's uploads overlap the next chunk's compute
                         if previews is None:
                             r.stepper.step(chunk, hyper, finished.grads, finished.got[g])
+                        t = time.perf_counter()
                         for b in range(chunk.first, chunk.last):
                             r.link.up(g, b, finished.got[g], None if previews is None else previews[g])
+                        up_s += time.perf_counter() - t
                     r.model.note_versions(g)  # the optimizer's own writes
                 event = r.dev.record()
             r.dev.compute_waits(event)
             if previews is not None:
                 r.overlap.defer(hypers, finished)  # the state, committed during the next backward
         self._new_window()
+        # adam_s includes uploads_s: the host's part of the uploads (all of them where the device is the host).
         self.step_timings = {"grads_wait_s": t1 - t0, "norm_s": t2 - t1, "adam_s": time.perf_counter() - t2}
+        self.step_timings["uploads_s"] = up_s if finished.scale is not None else 0.0
         return loss
 
     def _hyper(self, options: dict[str, Any], scale: float) -> dict[str, Any]:

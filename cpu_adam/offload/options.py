@@ -9,6 +9,7 @@ import torch
 
 __all__ = ["DEFAULT_BUCKET_SIZE", "check_options", "checked_max_grad_norm"]
 
+OVERLAPS = ("none", "backward")  # when the CPU step runs: after backward, or during it (overlap.py)
 DEFAULT_BUCKET_SIZE = 2**23  # elements: 16 MiB of bf16 grads per copy, far past PCIe's small-copy overheads
 
 
@@ -25,10 +26,14 @@ def checked_max_grad_norm(value: Any) -> float | None:
     return float(value)
 
 
-def check_options(master_weights_dtype: torch.dtype, stochastic_rounding: bool, max_inflight_buckets: int) -> None:
+def check_options(
+    master_weights_dtype: torch.dtype, stochastic_rounding: bool, max_inflight_buckets: int, overlap: str
+) -> None:
     if master_weights_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"master_weights_dtype must be torch.float32 or torch.bfloat16, got {master_weights_dtype}")
     if stochastic_rounding and master_weights_dtype != torch.bfloat16:
         raise ValueError("stochastic_rounding applies to bf16 master weights: pass master_weights_dtype=torch.bfloat16")
     if max_inflight_buckets < 1:
         raise ValueError(f"max_inflight_buckets must be at least 1, got {max_inflight_buckets}")
+    if overlap not in OVERLAPS:
+        raise ValueError(f"cpu_adam.OffloadOptimizer: overlap must be one of {OVERLAPS}, got {overlap!r}")

@@ -36,9 +36,8 @@ from .stepper import Chunk, Stepper, run
 from .window import Finished, Window
 from .world import World
 
-__all__ = ["MODES", "BackwardOverlap", "NoOverlap", "Worker", "overlap_for"]
+__all__ = ["BackwardOverlap", "NoOverlap", "Worker"]
 
-MODES = ("none", "backward")
 Key = tuple[int, int]
 
 
@@ -269,20 +268,3 @@ def _fused(commit: list[dict[str, Any]], preview: list[dict[str, Any]]) -> list[
 
 def _same_view(a: Tensor, b: Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
-
-
-def overlap_for(
-    mode: str,
-    dev: DeviceOps,
-    world: World,
-    layouts: list[FlatLayout | None],
-    window: Window,
-    stepper: Stepper,
-    link: Link,
-    hyper_of: Callable[[int, float], dict[str, Any]],
-) -> NoOverlap | BackwardOverlap:
-    if mode not in MODES:
-        raise ValueError(f"cpu_adam.OffloadOptimizer: overlap must be one of {MODES}, got {mode!r}")
-    if mode == "none":
-        return NoOverlap()
-    return BackwardOverlap(dev, world, layouts, window, stepper, link, hyper_of)

@@ -17,7 +17,7 @@ from .handover import check_sources, hand_over, target_device
 from .hooks import Hooks
 from .layout import FlatLayout
 from .link import Link
-from .overlap import BackwardOverlap, NoOverlap, overlap_for
+from .overlap import BackwardOverlap, NoOverlap
 from .params import ModelSide, check_no_shared_memory, check_params, check_unclaimed
 from .schedule import schedule_for
 from .stepper import Stepper
@@ -111,7 +111,11 @@ def build(
     link = Link(dev, world, layouts, trainable, options.max_inflight_buckets)
     window = Window(world, link, layouts)
     stepper = Stepper(store, link, layouts, trainable)
-    overlap = overlap_for(options.overlap, dev, world, layouts, window, stepper, link, hyper_of)
+    overlap = (
+        NoOverlap()
+        if options.overlap == "none"
+        else BackwardOverlap(dev, world, layouts, window, stepper, link, hyper_of)
+    )
     hooks = Hooks(dev, trainable, layouts, link, window, schedule_for(world, layouts), overlap)
     return Rooms(options, dev, world, layouts, store, model, link, window, stepper, overlap, hooks), seed
 
