@@ -243,7 +243,13 @@ class Run:
     first_step_s: float = math.nan  # the first step() alone (torchao compiles there)
     step_ms: float = math.nan  # median step() time after the first
     quantized: float = math.nan  # share of params with 8-bit moments
+    # Steps whose global grad norm exceeded CLIP_NORM: how often max_grad_norm=1.0 would clip (this
+    # benchmark does not clip), that is how often a step speculated during backward would be redone.
+    clipped: float = math.nan
     error: str = ""  # why the row did not run
+
+
+CLIP_NORM = 1.0
 
 
 def train(task_name: str, row: str, seed: int, cfg: TaskConfig, threads: int) -> Run:
@@ -262,6 +268,7 @@ def train(task_name: str, row: str, seed: int, cfg: TaskConfig, threads: int) ->
         return run
     params = [p for g in optimizer.param_groups for p in g["params"]]
     step_times: list[float] = []
+    clipped = 0
     began = time.perf_counter()
     in_evals = 0.0
     for step, batch in enumerate(task.batches(cfg.steps), 1):
@@ -269,6 +276,8 @@ def train(task_name: str, row: str, seed: int, cfg: TaskConfig, threads: int) ->
         loss = task.loss(model, batch)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        clipped += float(norm) > CLIP_NORM
         start = time.perf_counter()
         try:
             optimizer.step()
@@ -287,6 +296,7 @@ def train(task_name: str, row: str, seed: int, cfg: TaskConfig, threads: int) ->
     run.step_ms = 1000 * statistics.median(step_times[1:] or step_times)
     run.final = statistics.fmean(run.evals[-cfg.last_evals :])
     run.quantized = quantized_fraction(optimizer, params)
+    run.clipped = clipped / cfg.steps
     return run
 
 
@@ -306,6 +316,7 @@ class Summary:
     seconds: float  # median over seeds
     step_ms: float
     quantized: float
+    clipped: float
     error: str = ""
 
 
@@ -318,7 +329,7 @@ def summarize(runs: list[Run], tasks: list[str], rows: list[str]) -> list[Summar
             ok = [r for r in mine if not r.error]
             if not ok:
                 error = mine[0].error if mine else "not run"
-                out.append(Summary(task, row, 0, *[math.nan] * 8, error=error))
+                out.append(Summary(task, row, 0, *[math.nan] * 9, error=error))
                 continue
             finals = [r.final for r in ok]
             rel = [(r.final - ref[r.seed]) / ref[r.seed] for r in ok if r.seed in ref]
@@ -335,6 +346,7 @@ def summarize(runs: list[Run], tasks: list[str], rows: list[str]) -> list[Summar
                     statistics.median(r.seconds for r in ok),
                     statistics.median(r.step_ms for r in ok),
                     statistics.fmean(r.quantized for r in ok),
+                    statistics.fmean(r.clipped for r in ok),
                 )
             )
     return out
@@ -350,11 +362,12 @@ def table(summaries: list[Summary]) -> str:
         "8-bit share",
         "wall s",
         "step() ms",
+        f"steps with grad norm > {CLIP_NORM}",
     ]
     rows = []
     for s in summaries:
         if s.error:
-            rows.append([s.task, ROWS[s.row], "", s.error, "", "", "", ""])
+            rows.append([s.task, ROWS[s.row], "", s.error, "", "", "", "", ""])
             continue
         sd = f" ± {s.final_sd:.4f}" if not math.isnan(s.final_sd) else ""
         rel = (
@@ -370,6 +383,7 @@ def table(summaries: list[Summary]) -> str:
                 f"{100 * s.quantized:.0f}%",
                 f"{s.seconds:.0f}",
                 f"{s.step_ms:.2f}",
+                f"{100 * s.clipped:.1f}%",
             ]
         )
     return format_table(headers, rows)

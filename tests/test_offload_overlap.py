@@ -7,6 +7,7 @@ the previews (the step then runs serially), and a plain step must take them.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,11 +23,16 @@ from cpu_adam import OffloadOptimizer, offload
 
 HYPER = dict(lr=1e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01, bucket_size=1024)
 STEPS = 5
+REMADE: dict[str, int] = {}
 
 Event = Callable[[torch.nn.Module, OffloadOptimizer, int], None]  # what happens between backward and step()
 
 
 def _train(overlap: str, before_step: Event | None = None, micro: int = 1, **options: Any) -> tuple[list, list[bool]]:
+    """What the user can see of a short training run, and per step whether it was deferred (``last_step_overlapped``).
+
+    ``REMADE`` gets how many steps' previews were made again at ``step()``.
+    """
     model = make_model(0)
     opt = OffloadOptimizer(model.parameters(), **HYPER, overlap=overlap, **options)
     seen, held = [], []
@@ -40,6 +46,7 @@ def _train(overlap: str, before_step: Event | None = None, micro: int = 1, **opt
         opt.zero_grad()
         held.append(opt.last_step_overlapped)
         seen += [raw(p) for p in model.parameters()] + [opt.last_grad_norm]
+    REMADE[overlap] = getattr(opt._rooms.overlap, "remade", 0)
     state = opt.state_dict()
     seen += [raw(t) if isinstance(t, torch.Tensor) else t for g in state["state"].values() for t in g.values()]
     opt.close()
@@ -62,7 +69,8 @@ def test_plain_steps_take_the_previews_and_equal_the_serial_step(
     serial, _ = _train("none", **options)
     overlapped, held = _train("backward", **options)
     assert _same(overlapped, serial)
-    assert held == [False] + [True] * (STEPS - 1), "the first step syncs the masters; every later one overlaps"
+    assert all(held), "every step is deferred"
+    assert REMADE["backward"] == 1, "the first step's previews read masters not yet taken from the weights"
 
 
 def _lr_changed(model, opt, step) -> None:
@@ -89,33 +97,31 @@ def _non_finite(model, opt, step) -> None:
 
 
 @pytest.mark.parametrize(
-    ("event", "options", "micro"),
-    [
-        (_lr_changed, {}, 1),
-        (_weights_written, {}, 1),
-        (_clipped_by_hand, {}, 1),
-        (None, {"max_grad_norm": 0.05}, 1),
-        (None, {}, 2),  # accumulation: the second micro-batch lands on every bucket again
-        (_reloaded, {}, 1),
-        (_non_finite, {}, 1),
-    ],
-    ids=[
-        "lr changed",
-        "weights written",
-        "clip_grad_norm_",
-        "max_grad_norm",
-        "accumulation",
-        "load_state_dict",
-        "non-finite",
-    ],
+    ("event", "options"),
+    [(_lr_changed, {}), (_weights_written, {}), (_clipped_by_hand, {}), (None, {"max_grad_norm": 0.05})],
+    ids=["lr changed", "weights written", "clip_grad_norm_", "max_grad_norm"],
 )
-def test_each_mis_speculation_drops_the_previews_and_equals_the_serial_step(event, options: dict, micro: int):
-    serial, _ = _train("none", event, micro, **options)
-    overlapped, held = _train("backward", event, micro, **options)
+def test_other_numbers_than_the_previews_read_make_them_again_and_equal_the_serial_step(event, options: dict):
+    serial, _ = _train("none", event, **options)
+    overlapped, held = _train("backward", event, **options)
     assert _same(overlapped, serial)
-    assert not any(held[1:]) or event is _non_finite
+    assert all(held), "the grads were those the previews read: every step is deferred all the same"
+    assert REMADE["backward"] == STEPS, "every step made its previews again"
+
+
+@pytest.mark.parametrize(
+    ("event", "micro"),
+    [(None, 2), (_reloaded, 1), (_non_finite, 1)],  # accumulation: the second micro-batch lands on every bucket again
+    ids=["accumulation", "load_state_dict", "non-finite"],
+)
+def test_other_grads_than_the_previews_read_drop_them_and_equal_the_serial_step(event, micro: int):
+    serial, _ = _train("none", event, micro)
+    overlapped, held = _train("backward", event, micro)
+    assert _same(overlapped, serial)
     if event is _non_finite:
         assert not held[2] and held[3:] == [True] * (STEPS - 3)
+    else:
+        assert not any(held[1:])
 
 
 def test_clip_grad_norm_that_does_not_clip_keeps_the_previews():
@@ -162,18 +168,43 @@ def test_a_failed_backward_then_zero_grad_equals_the_serial_step():
     assert _same(run("backward"), run("none"))
 
 
-def test_a_preview_that_raises_leaves_the_serial_step(monkeypatch: pytest.MonkeyPatch):
+def test_a_preview_that_raises_in_the_worker_is_made_again_at_step(monkeypatch: pytest.MonkeyPatch):
     real = offload.overlap.run
 
-    def failing(calls, *, preview: bool = False) -> None:
-        if preview:
+    def failing_in_the_worker(calls, *, preview: bool = False) -> None:
+        if preview and threading.current_thread() is not threading.main_thread():
             raise RuntimeError("simulated kernel failure")
         real(calls, preview=preview)
 
+    monkeypatch.setattr(offload.overlap, "_fused", lambda commit, preview: None)  # the preview runs alone
     serial, _ = _train("none")
-    monkeypatch.setattr(offload.overlap, "run", failing)
+    monkeypatch.setattr(offload.overlap, "run", failing_in_the_worker)
     overlapped, held = _train("backward")
-    assert _same(overlapped, serial) and not any(held)
+    assert _same(overlapped, serial) and all(held[1:])
+
+
+def test_a_kernel_error_surfaces_at_step_with_nothing_changed(monkeypatch: pytest.MonkeyPatch):
+    model = make_model(0)
+    opt = OffloadOptimizer(model.parameters(), **HYPER, overlap="backward")
+    for tokens in batches(2):
+        lm_loss(model, tokens).backward()
+        opt.step()
+    real = offload.overlap.run
+
+    def failing(calls, *, preview: bool = False) -> None:
+        raise RuntimeError("simulated kernel failure")
+
+    monkeypatch.setattr(offload.overlap, "run", failing)
+    lm_loss(model, batches(3)[2]).backward()
+    weights = [raw(p) for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="simulated kernel failure"):
+        opt.step()
+    assert all(torch.equal(raw(p), w) for p, w in zip(model.parameters(), weights))
+    monkeypatch.setattr(offload.overlap, "run", real)
+    opt.zero_grad()
+    state = opt.state_dict()  # the deferred step that failed is committed now
+    assert state["state"][0]["step"] == 2
+    opt.close()
 
 
 def test_close_with_commits_in_flight_and_the_bytes_it_costs():
@@ -249,4 +280,4 @@ def test_zero_ranks_stepping_during_backward_equal_the_serial_step(tmp_path: Pat
     for rank in range(2):
         serial, overlapped = (torch.load(tmp_path / f"{mode}{rank}.pt") for mode in ("none", "backward"))
         assert _same(overlapped["seen"], serial["seen"])
-        assert overlapped["held"] == [False, True, False, True, True]
+        assert all(overlapped["held"]), "the lr changed after backward: that step's previews are made again"

@@ -36,6 +36,7 @@ def test_quick_run_writes_a_sane_table_json_and_plot(tmp_path: Path) -> None:
             assert len(r["train_losses"]) == 30
             assert r["evals"][-1] < r["evals"][0], f"{task} {r['row']} did not learn: {r['evals']}"
             assert r["final"] == pytest.approx(sum(r["evals"][-2:]) / 2)
+            assert 0.0 <= r["clipped"] <= 1.0 and r["clipped"] * 30 == pytest.approx(round(r["clipped"] * 30))
         # torch.optim.AdamW from the same init on the same batches: the same trajectory up to rounding
         assert ref["final"] == pytest.approx(fp32["final"], rel=1e-4)
         # the states really are what the rows say: 8-bit changes the trajectory, a little

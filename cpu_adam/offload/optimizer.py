@@ -59,8 +59,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     ``overlap="backward"`` keeps the state one step behind: a worker thread commits the deferred
     step and previews the new one as each bucket's grads land (+2 bytes per param), and
-    ``step()`` uploads the previews where they all hold; otherwise, and with ``"none"`` (the
-    default), the step runs after backward. Both give the same bits (``overlap.py``).
+    ``step()`` uploads the previews (made again where clipping or a hyper-parameter changed the
+    numbers); where the grads changed, and with ``"none"`` (the default), the step runs after
+    backward. Both give the same bits (``overlap.py``).
 
     With ``process_group`` (a ``torch.distributed`` group, e.g. ``dist.group.WORLD``) the ranks
     train one data-parallel model: grads are averaged over the ranks as DDP does, and each rank

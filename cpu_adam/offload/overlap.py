@@ -10,9 +10,12 @@ two steps and the weights fit in two pinned bf16 buffers: the link's slots and o
 same size (2 bytes per param), which swap roles at each step.
 
 At ``step()``, where every bucket's preview still holds, the previews are uploaded and the step is
-deferred (its grads kept, its step counts taken); otherwise the deferred step is committed where
-it was not yet and the step runs serially, as with ``"none"``: a failed speculation costs no more
-than the serial step, and nothing it did is visible. A bucket that did not land commits at the
+deferred (its grads kept, its step counts taken). Where the grads are those the previews read but
+the numbers are not (clipping that bites, a changed hyper-parameter, weights written since), the
+previews are made again with the step's numbers, one pass that writes the weights alone, and the
+step is deferred all the same. Otherwise (another micro-batch came, a skip) the step runs serially,
+as with ``"none"``: a failed speculation costs no more than the serial step, and nothing it did is
+visible. A bucket that did not land commits at the
 next ``step()``; ``state_dict``, ``master_weights``, ``load_state_dict`` and ``close`` commit
 everything first, so the state a user can read is always the serial step's.
 """
@@ -102,7 +105,8 @@ class NoOverlap:
 
 class _Preview(NamedTuple):
     epoch: int  # the window it was made in
-    hyper: dict[str, Any]
+    hyper: dict[str, Any]  # what it speculated
+    made: bool  # False: not made (the last step's previews read other numbers), only its grads noted
     got: tuple[bool, ...]  # the bucket's params that had a grad
     steps: tuple[int, ...]
 
@@ -139,7 +143,11 @@ class BackwardOverlap:
         ]
         self._deferred: dict[Key, _Deferred] = {}
         self._previews: dict[Key, _Preview] = {}
-        self._failed: set[Key] = set()  # previews whose kernel raised: the serial step will say why
+        self._failed: set[Key] = set()  # previews whose kernel raised: made again at step(), which says why
+        self.remade = 0  # steps whose previews were made again with the step's numbers
+        # Whether backward previews the step: not after a step whose previews read other numbers (a
+        # run that clips clips nearly every step), whose backward then only commits.
+        self._speculate = True
         self._worker = Worker()
         weakref.finalize(self, self._worker.stop)  # at exit too: no thread left inside the kernel
 
@@ -159,11 +167,12 @@ class BackwardOverlap:
         members = self._stepper.members_of(chunk)
         got = list(self._window.got[g])
         hyper = self._hyper_of(g, 1.0 / self._world.size)
+        steps = tuple(self._stepper.steps(g)[i] for i in members)
         self._previews[key] = _Preview(
-            self._window.epoch, hyper, tuple(got[i] for i in members), tuple(self._stepper.steps(g)[i] for i in members)
+            self._window.epoch, hyper, self._speculate, tuple(got[i] for i in members), steps
         )
         slots = {key: self._link.buffers[g].tensor}
-        preview = self._stepper.calls(chunk, hyper, slots, got, outputs=self.spare[g].tensor)
+        preview = self._stepper.calls(chunk, hyper, slots, got, outputs=self.spare[g].tensor) if self._speculate else []
         deferred = self._deferred.get(key)
         commit = [] if deferred is None else self._commit_calls(key, deferred)
         fused = _fused(commit, preview)
@@ -173,7 +182,7 @@ class BackwardOverlap:
             self._dev.wait_host(landing.event)
             run(commit if fused is None else fused)
             self._deferred.pop(key, None)  # committed: a failed commit stays deferred, and its error is raised
-            if fused is None:
+            if fused is None and preview:
                 try:
                     run(preview, preview=True)
                 except Exception:
@@ -198,10 +207,16 @@ class BackwardOverlap:
             del self._deferred[key]
 
     def previews(self, hypers: list[dict[str, Any] | None], finished: Finished, synced: bool) -> list[Tensor] | None:
-        """The buffers of the previews where every bucket's holds for the step about to be taken (after
-        ``settle``), else None."""
-        if synced or self._failed:  # masters taken from weights written since the previews read them
-            return None
+        """The previews' buffers, holding the weights of the step about to be taken (after ``settle``), or None.
+
+        None where a bucket's grads are not what its preview read (it had none, another landing came,
+        params got grads or step counts since). Where they are but the previews read other numbers (a
+        clipping scale, a changed hyper-parameter, masters taken from weights written since, a
+        preview that raised), they are made again with the step's: one pass that reads the state
+        and the grads and writes the weights, instead of the step.
+        """
+        differ = False
+        again = synced or bool(self._failed)
         for g, layout in enumerate(self._layouts):
             if layout is None or hypers[g] is None:
                 continue
@@ -214,12 +229,22 @@ class BackwardOverlap:
                 if (
                     preview is None
                     or preview.epoch != self._window.epoch
-                    or preview.hyper != hypers[g]
                     or preview.got != tuple(got[i] for i in members)
                     or preview.steps != tuple(self._stepper.steps(g)[i] for i in members)
                     or self._window.landings(g, b) != 1
                 ):
                     return None
+                differ = differ or preview.hyper != hypers[g]
+                again = again or not preview.made
+        self._speculate = not differ
+        if again or differ:
+            self.remade += 1
+            for g, hyper in enumerate(hypers):
+                for chunk in self._stepper.chunks[g] if hyper is not None else []:
+                    calls = self._stepper.calls(
+                        chunk, hyper, finished.grads, finished.got[g], outputs=self.spare[g].tensor
+                    )
+                    run(calls, preview=True)
         return [None if buffer is None else buffer.tensor for buffer in self.spare]
 
     def defer(self, hypers: list[dict[str, Any] | None], finished: Finished) -> None:
