@@ -69,3 +69,50 @@ def test_kill_9_during_saves_always_leaves_the_last_complete_checkpoint(tmp_path
         loaded = load_checkpoint(path)
         assert loaded["n"] >= done, f"trial {trial}: checkpoint {loaded['n']} older than the last completed {done}"
         assert torch.equal(loaded["blob"], torch.arange(10_000_000, dtype=torch.float32) + loaded["n"])
+
+
+def test_modes_are_torch_saves_or_the_replaced_files(tmp_path: Path):
+    umask = os.umask(0o022)
+    try:
+        save_checkpoint({"n": 1}, tmp_path / "new.pt")
+        torch.save({"n": 1}, tmp_path / "by_torch.pt")
+        assert (tmp_path / "new.pt").stat().st_mode == (tmp_path / "by_torch.pt").stat().st_mode
+        os.chmod(tmp_path / "new.pt", 0o640)
+        save_checkpoint({"n": 2}, tmp_path / "new.pt")
+        assert (tmp_path / "new.pt").stat().st_mode & 0o777 == 0o640
+    finally:
+        os.umask(umask)
+
+
+def test_temporary_files_of_killed_saves_are_removed_by_the_next_save(tmp_path: Path):
+    for leftover in (".ckpt.pt.k1lled.tmp", ".ckpt.pt.0ther.tmp"):
+        (tmp_path / leftover).write_bytes(b"partial")
+    (tmp_path / ".other.pt.keep.tmp").write_bytes(b"another checkpoint's")
+    save_checkpoint({"n": 1}, tmp_path / "ckpt.pt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".other.pt.keep.tmp", "ckpt.pt"]
+
+
+_FILE_SIZE_LIMIT = textwrap.dedent(
+    """
+    import errno, resource, signal, sys, torch
+    from cpu_adam import save_checkpoint
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536))
+    try:
+        save_checkpoint({"blob": torch.zeros(1_000_000)}, sys.argv[1])
+    except OSError as error:
+        print(error.errno == errno.EFBIG, error.filename == sys.argv[1], "intact" in str(error))
+    """
+)
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGXFSZ"), reason="needs POSIX file size limits")
+def test_a_file_size_limit_raises_an_os_error_naming_the_path(tmp_path: Path):
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint({"n": 1}, path)
+    run = subprocess.run(
+        [sys.executable, "-c", _FILE_SIZE_LIMIT, str(path)], capture_output=True, text=True, timeout=120
+    )
+    assert run.stdout.split() == ["True", "True", "True"], run.stdout + run.stderr[-2000:]
+    assert load_checkpoint(path) == {"n": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]

@@ -14,6 +14,7 @@ The rooms it wires together (one concept each):
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable
@@ -114,6 +115,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.bucket_size = bucket_size
         self._closed = False
         self._warned_no_grads = False
+        self._one_step = threading.Lock()
 
         trainable = [[p for p in g["params"] if p.requires_grad] for g in self.param_groups]
         options = house.Options(
@@ -164,6 +166,17 @@ class OffloadOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One Adam step on the grads of the backward passes since the last step or zero_grad."""
+        if not self._one_step.acquire(blocking=False):
+            raise RuntimeError(
+                "cpu_adam.OffloadOptimizer.step() is already running in another thread: two steps at once would "
+                "each update the same state. Call step() from one thread (the one that runs backward)"
+            )
+        try:
+            return self._step(closure)
+        finally:
+            self._one_step.release()
+
+    def _step(self, closure: Callable[[], Any] | None) -> Any:
         self._check_usable()
         self._rooms.model.check_written()
         if getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None:
@@ -264,9 +277,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 stacklevel=3,
             )
 
-    def _check_usable(self) -> None:
+    def _check_open(self, verb: str) -> None:
         if self._closed:
-            raise RuntimeError("cpu_adam.OffloadOptimizer: this optimizer was closed; build a new one to train")
+            raise RuntimeError(
+                f"cpu_adam.OffloadOptimizer.{verb}: this optimizer was closed (close()), and its params may be trained "
+                "by another one now; build a new optimizer over them (and load a state dict saved before close())"
+            )
+
+    def _check_usable(self) -> None:
+        self._check_open("step")
         if self._rooms.dev.is_capturing():
             raise RuntimeError(
                 "cpu_adam.OffloadOptimizer: step() cannot be captured in a CUDA graph: it waits on the host for the "
@@ -321,6 +340,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         the device and loads it back, which must not put the host state on the GPU. Loading such a
         dict zeroes the moments and keeps the masters (a handed-over model's fp32 values too).
         """
+        self._check_open("state_dict")
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         self._rooms.overlap.settle()
@@ -340,6 +360,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         With a process group every rank must call it (the weights are all-gathered). Everything is
         checked before anything changes. Load hooks run as with torch's optimizers.
         """
+        self._check_open("load_state_dict")
         state_dict = state_dict.copy()
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             returned = pre_hook(self, state_dict)
@@ -350,6 +371,16 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._new_window()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(
+            "cpu_adam.OffloadOptimizer cannot be copied or pickled: it holds hooks on the model's params, pinned "
+            "host memory and a worker thread. Save optimizer.state_dict() (cpu_adam.save_checkpoint), and load it "
+            "into a new OffloadOptimizer built over the params"
+        )
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        return self.__reduce_ex__(2)
 
     def __del__(self) -> None:
         # Only the optimizer itself: Lightning's wrapper copies this __dict__ and must not close it.

@@ -22,7 +22,16 @@ from .store import Store
 
 __all__ = ["ModelSide", "check_params", "check_unclaimed", "claim", "param_groups", "release"]
 
-_OWNER_ATTR = "_cpu_adam_offload_owner"
+# Which live optimizer trains each param. Kept beside the params, not on them: an attribute would
+# travel with the model into torch.save and pickle, which cannot take a weak reference.
+# By id, with a weak reference to the param that drops the entry with it (a tensor's == compares
+# elements, so tensors cannot be the keys of a WeakKeyDictionary).
+_OWNERS: dict[int, tuple[weakref.ref[Tensor], weakref.ref[Any]]] = {}
+
+
+def _owner_of(p: Tensor) -> Any:
+    param, owner = _OWNERS.get(id(p), (None, None))
+    return owner() if param is not None and param() is p else None
 
 
 def param_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
@@ -44,6 +53,12 @@ def check_params(groups: list[list[Tensor]]) -> torch.device:
     params = [p for ps in groups for p in ps]
     if not params:
         raise ValueError("cpu_adam.OffloadOptimizer: no parameter requires grad, nothing to train")
+    if all(p.is_meta for p in params):
+        raise RuntimeError(
+            "cpu_adam.OffloadOptimizer: the params are on the meta device (no memory yet). Pass the device to train "
+            "on, OffloadOptimizer(model.parameters(), device='cuda'), and the optimizer gives each param its "
+            "storage there; load the weights before the first step"
+        )
     for p in params:
         if p.dtype != torch.bfloat16:
             raise TypeError(
@@ -92,8 +107,7 @@ def check_unclaimed(groups: list[list[Tensor]]) -> None:
     """Refuses params that another live OffloadOptimizer trains: its hooks would take their grads."""
     for ps in groups:
         for p in ps:
-            ref = getattr(p, _OWNER_ATTR, None)
-            other = ref() if ref is not None else None
+            other = _owner_of(p)
             if other is not None and not other._closed:
                 raise RuntimeError(
                     f"cpu_adam.OffloadOptimizer: a parameter of shape {tuple(p.shape)} is already trained by another "
@@ -105,15 +119,15 @@ def check_unclaimed(groups: list[list[Tensor]]) -> None:
 def claim(groups: list[list[Tensor]], owner: Any) -> None:
     for ps in groups:
         for p in ps:
-            setattr(p, _OWNER_ATTR, weakref.ref(owner))
+            key = id(p)
+            _OWNERS[key] = (weakref.ref(p, lambda _, key=key: _OWNERS.pop(key, None)), weakref.ref(owner))
 
 
 def release(groups: list[list[Tensor]], owner: Any) -> None:
     for ps in groups:
         for p in ps:
-            ref = getattr(p, _OWNER_ATTR, None)
-            if ref is not None and ref() is owner:
-                delattr(p, _OWNER_ATTR)
+            if _owner_of(p) is owner:
+                del _OWNERS[id(p)]
 
 
 class ModelSide:
