@@ -855,3 +855,14 @@ def test_the_next_steps_grads_may_not_be_an_output() -> None:
     out = torch.zeros(8, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="share memory"):
         ops.adam_step([p], [g], [m], [v], bf16_outs=[out], step=1, then=ops.NextStep([out], step=2, **HYPER), **HYPER)
+
+
+@pytest.mark.parametrize("layout", PREVIEW_LAYOUTS, ids="-".join)
+def test_a_step_bumps_the_version_of_every_tensor_it_writes_and_no_grad(layout: tuple[str, str, str]) -> None:
+    tensors, scales = _preview_case(64, layout, seed=1)
+    out = torch.zeros(64, dtype=torch.bfloat16)
+    before = [t._version for t in (*tensors, out, *scales)]
+    ops.adam_step(*([t] for t in tensors), bf16_outs=[out], state_scales=scales or None, step=1, **HYPER)
+    after = [t._version for t in (*tensors, out, *scales)]
+    bumped = [a > b for a, b in zip(after, before)]
+    assert bumped == [True, False, True, True, True] + [True] * len(scales), "param, grad, moments, output, scales"

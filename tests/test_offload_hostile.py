@@ -92,3 +92,15 @@ def test_a_meta_model_without_device_names_device():
         model = torch.nn.Linear(4, 4).to(torch.bfloat16)
     with pytest.raises(RuntimeError, match=r"meta device.*device='cuda'"):
         OffloadOptimizer(model.parameters())
+
+
+def test_a_param_unfrozen_after_construction_is_refused_at_step_naming_the_fix():
+    model = make_model(0)
+    model.fc1.weight.requires_grad_(False)
+    opt = OffloadOptimizer(model.parameters(), **HYPER)
+    model.fc1.weight.requires_grad_(True)  # the second phase of a fine-tuning
+    lm_loss(model, batches(1)[0]).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"frozen .* when the optimizer was built.*Build the optimizer after"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))

@@ -118,6 +118,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._one_step = threading.Lock()
 
         trainable = [[p for p in g["params"] if p.requires_grad] for g in self.param_groups]
+        # Frozen when the flat layout was made: unfrozen later, they would never be trained.
+        self._frozen = [p for g in self.param_groups for p in g["params"] if not p.requires_grad]
         options = house.Options(
             bucket_size,
             master_weights_dtype,
@@ -179,6 +181,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def _step(self, closure: Callable[[], Any] | None) -> Any:
         self._check_usable()
         self._rooms.model.check_written()
+        if any(p.requires_grad for p in self._frozen):
+            raise RuntimeError(
+                "cpu_adam.OffloadOptimizer: a param that was frozen (requires_grad=False) when the optimizer was built "
+                "now requires grad, and would never be trained: its layout in host memory is made at construction. "
+                "Build the optimizer after unfreezing (close() the old one; keep its state with state_dict())"
+            )
         if getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None:
             self.grad_scale = self.found_inf = None
             raise RuntimeError(
