@@ -151,14 +151,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   // Where the counter wraps: float-state segments never cross it; an 8-bit state's segment may,
   // in its last block.
   const uint64_t to_wrap = (uint64_t{1} << 32) - first_counter;
+  // A wrap that rounds down to element 0 is no wrap: such a segment must not cross it either.
   c.counter_wrap = c.n;
+  int64_t wrap = 0;
   if (c.layout.state == DType::q8 && (wrap_bits & 1) && c.n > 0) {
     const int64_t last_block = (c.n - 1) / kQ8Block * kQ8Block;
-    const int64_t wrap = (last_block + 1 + (wrap_bits >> 1) % (c.n - last_block)) & ~int64_t{1};
-    if (wrap > 0) {
-      first_counter = static_cast<uint32_t>((uint64_t{1} << 32) - static_cast<uint64_t>(wrap));
-      c.counter_wrap = wrap;
-    }
+    wrap = (last_block + 1 + (wrap_bits >> 1) % (c.n - last_block)) & ~int64_t{1};
+  }
+  if (wrap > 0) {
+    first_counter = static_cast<uint32_t>((uint64_t{1} << 32) - static_cast<uint64_t>(wrap));
+    c.counter_wrap = wrap;
   } else if (to_wrap < static_cast<uint64_t>(c.n)) {
     first_counter = static_cast<uint32_t>((uint64_t{1} << 32) - static_cast<uint64_t>(c.n)) & ~1u;
   }
