@@ -78,6 +78,8 @@ inline std::string fold_hyper(const AdamScalars& a, Hyper& h) {
   h.l2 = narrow(a.adamw_mode ? 0.0 : a.weight_decay, "weight_decay");
   h.grad_scale = narrow(a.grad_scale, "grad_scale");
   h.one_minus_beta1 = static_cast<float>(1.0 - a.beta1);
+  h.lerp_from_grad = h.one_minus_beta1 >= 0.5f;
+  h.one_minus_weight = 1.0f - h.one_minus_beta1;
   h.beta2 = static_cast<float>(a.beta2);
   h.one_minus_beta2 = static_cast<float>(1.0 - a.beta2);
   h.stochastic_rounding = a.stochastic_rounding;

@@ -866,3 +866,21 @@ def test_a_step_bumps_the_version_of_every_tensor_it_writes_and_no_grad(layout: 
     after = [t._version for t in (*tensors, out, *scales)]
     bumped = [a > b for a, b in zip(after, before)]
     assert bumped == [True, False, True, True, True] + [True] * len(scales), "param, grad, moments, output, scales"
+
+
+@pytest.mark.parametrize("beta1", [0.0, 0.3, 0.5, 0.51, 0.9])
+def test_the_first_moment_follows_torchs_two_sided_lerp(isa: str, beta1: float) -> None:
+    # torch computes grad - (grad - m) * (1 - weight) from a weight of 0.5 up: beta1 = 0 gives the grad,
+    # and beta1 = 0 with torch.optim.AdamW gives it too.
+    g = torch.Generator().manual_seed(3)
+    for n in (1, 17, 4097):
+        param, grad = torch.randn(n, generator=g), torch.randn(n, generator=g)
+        exp_avg, exp_avg_sq = torch.randn(n, generator=g), torch.rand(n, generator=g)
+        # torch's lerp rule, one rounding per operation (its own kernel may fuse a multiply-add)
+        weight = torch.tensor(1 - beta1, dtype=torch.float32)
+        from_grad = weight >= 0.5
+        expected = grad - (grad - exp_avg) * (1 - weight) if from_grad else exp_avg + (grad - exp_avg) * weight
+        ops.adam_step([param], [grad], [exp_avg], [exp_avg_sq], step=2, lr=1e-3, beta1=beta1, beta2=0.99, eps=1e-8)
+        assert_same_bits(exp_avg, expected, f"{isa} beta1={beta1} n={n}")
+        if beta1 == 0.0:
+            assert torch.equal(exp_avg, grad)

@@ -88,7 +88,8 @@ inline void update(int64_t i, const Segment& s, const Hyper& h, V ops = {}) {
   g = V::mul(g, V::set1(h.grad_scale));
   if (h.l2 != 0.0f) g = V::add(g, V::mul(p, V::set1(h.l2)));
   p = V::mul(p, V::set1(h.decay));
-  m = V::add(m, V::mul(V::sub(g, m), V::set1(h.one_minus_beta1)));
+  m = h.lerp_from_grad ? V::sub(g, V::mul(V::sub(g, m), V::set1(h.one_minus_weight)))
+                       : V::add(m, V::mul(V::sub(g, m), V::set1(h.one_minus_beta1)));
   if (kRoot) v = V::mul(v, v);
   v = V::add(V::mul(v, V::set1(h.beta2)), V::mul(V::mul(V::set1(h.one_minus_beta2), g), g));
   const F root = V::sqrt(v);

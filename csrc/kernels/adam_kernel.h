@@ -57,7 +57,11 @@ struct Hyper {
   float decay;  // 1 - lr * weight_decay (AdamW), else 1
   float l2;     // weight_decay (Adam L2 mode), else 0
   float grad_scale;
-  float one_minus_beta1;
+  float one_minus_beta1;  // the weight of the first moment's lerp toward the grad
+  // torch's lerp is two-sided: from a weight of 0.5 up it computes end - (end - start) * (1 - weight),
+  // so that beta1 = 0 gives the grad exactly. The choice is per call; 1 - weight in float, as torch.
+  bool lerp_from_grad;
+  float one_minus_weight;
   float beta2;
   float one_minus_beta2;
   bool stochastic_rounding;  // bf16 param stores only
