@@ -114,10 +114,12 @@ def test_modes_follow_reference(adamw_mode: bool, bias_correction: bool) -> None
 
 
 @pytest.mark.parametrize("grad_dtype", ["f32", "bf16"])
-def test_grad_scale_equals_prescaled_grads(isa: str, grad_dtype: str) -> None:
+@pytest.mark.parametrize("decay", [{}, {"weight_decay": 0.1, "adamw_mode": False}], ids=["no decay", "L2 decay"])
+def test_grad_scale_equals_prescaled_grads(isa: str, grad_dtype: str, decay: dict) -> None:
+    # The scale multiplies the grad alone: L2 mode adds weight_decay * p to the scaled grad.
     param, grad, exp_avg, exp_avg_sq = make_tuple(1000, ("f32", grad_dtype, "f32"), seed=3)
     scale = 0.123
-    kwargs = {**HYPER, "step": 2}
+    kwargs = {**HYPER, "step": 2, **decay}
     folded = run_step(isa, [param, grad, exp_avg, exp_avg_sq], False, grad_scale=scale, **kwargs)
     prescaled = run_step(isa, [param, grad.float() * scale, exp_avg, exp_avg_sq], False, **kwargs)
     for a, e in zip(folded, prescaled):

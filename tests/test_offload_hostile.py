@@ -104,3 +104,30 @@ def test_a_param_unfrozen_after_construction_is_refused_at_step_naming_the_fix()
     with pytest.raises(RuntimeError, match=r"frozen .* when the optimizer was built.*Build the optimizer after"):
         opt.step()
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+
+
+def test_a_param_missing_from_a_later_micro_batch_keeps_only_its_own_contributions():
+    # On the CPU device a bucket's staging area is its slot: a param that misses the second
+    # micro-batch must not bring back the first one's grad (already summed). Bitwise against a
+    # twin whose second micro-batch runs the branch times 0, which packs zeros for it.
+    def run(skip: bool) -> list[torch.Tensor]:
+        model = make_model(0)
+        torch.manual_seed(5)
+        side = torch.nn.Linear(32, 32).to(torch.bfloat16)
+        params = [p for pair in zip(model.parameters(), side.parameters()) for p in pair]  # side params between
+        params += list(model.parameters())[len(list(side.parameters())) :]
+        opt = OffloadOptimizer(params, lr=1e-2, bucket_size=2048)
+        for step, tokens in enumerate(batches(4, batch=8)):
+            for micro, chunk in enumerate(tokens.chunk(2)):
+                loss = lm_loss(model, chunk)
+                uses_side = micro == 0 or step % 2 == 0  # misses the second micro-batch on odd steps only
+                if uses_side or not skip:
+                    out = side(model.emb(chunk)).float().square().mean()
+                    loss = loss + (out if uses_side else out * 0.0)
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+        return [p.detach().clone() for p in (*model.parameters(), *side.parameters())]
+
+    skipped, zeroed = run(skip=True), run(skip=False)
+    assert all(torch.equal(a, b) for a, b in zip(skipped, zeroed))

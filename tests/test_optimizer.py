@@ -610,6 +610,20 @@ def assert_same_state_dicts(a: dict[str, Any], b: dict[str, Any]) -> None:
             assert torch.equal(raw(value), raw(b["state"][i][key])), f"state[{i}][{key!r}] differs"
 
 
+def test_adam_l2_with_maximize_steps_as_torch_adam() -> None:
+    ours_params = make_params()
+    torch_params = clone_params(ours_params)
+    options = {"weight_decay": 0.1, "maximize": True}
+    ours = CPUAdam(ours_params, adamw_mode=False, **options)
+    reference = torch.optim.Adam(torch_params, **options)
+    _twin_steps(ours, reference, ours_params, torch_params, range(5))
+    scale = 5 * float(ours.param_groups[0]["lr"])
+    for p, q in zip(ours_params, torch_params):
+        assert_close_in_ulps_of(p, q, scale, "param")
+        assert_close_in_ulps_of(ours.state[p]["exp_avg"], reference.state[q]["exp_avg"], GRAD_SCALE, "exp_avg")
+        assert_ulps(ours.state[p]["exp_avg_sq"], reference.state[q]["exp_avg_sq"], 8, "exp_avg_sq")
+
+
 @pytest.mark.parametrize("config", CONFIGS)
 def test_configs_step_as_adamw(config: str) -> None:
     ours_params = make_params()
