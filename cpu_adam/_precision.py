@@ -3,12 +3,22 @@ the names, their dtypes, and conversions of saved moments between them."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
 from . import quant8
 
-__all__ = ["MOMENTS", "SCALES", "STATE_PRECISIONS", "converted_moments", "resolved_precision", "state_dtype"]
+__all__ = [
+    "MOMENTS",
+    "SCALES",
+    "STATE_PRECISIONS",
+    "check_saved_moments",
+    "converted_moments",
+    "resolved_precision",
+    "state_dtype",
+]
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 SCALES = "state_scales"  # 8-bit moments: float32 [2, blocks], each moment's scale per block
@@ -32,6 +42,42 @@ def resolved_precision(owner: str, state_precision: str | None, fp32_optimizer_s
             f"state_precision={state_precision!r} was given; pass only state_precision"
         )
     return state_precision or implied or "fp32"
+
+
+def check_saved_moments(where: str, saved: dict[str, Tensor], shape: tuple[int, ...]) -> None:
+    """Refuses saved moments that do not fit a param of ``shape`` or that hold no usable numbers, by name,
+    before anything is loaded: a wrong shape would fail at the next step with the old state gone, and
+    a NaN or negative second moment would train NaN."""
+    present = [k for k in (*MOMENTS, SCALES) if k in saved]
+    if not present:
+        return
+    missing = [k for k in MOMENTS if k not in saved]
+    if missing:
+        raise ValueError(f"{where}: the saved state has {', '.join(present)} but no {', '.join(missing)}")
+    numel = math.prod(shape)
+    eight_bit = saved["exp_avg"].dtype == torch.uint8
+    if eight_bit != (SCALES in saved):
+        raise ValueError(f"{where}: 8-bit (uint8) moments come with their {SCALES}, float moments without")
+    for name in MOMENTS:
+        t = saved[name]
+        if not isinstance(t, Tensor) or t.numel() != numel or (t.dim() > 1 and tuple(t.shape) != tuple(shape)):
+            got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(f"{where}: {name} has shape {got}, its param {tuple(shape)}: not this param's state")
+    if eight_bit:
+        scales = saved[SCALES]
+        blocks = quant8.blocks(numel)
+        if scales.dtype != torch.float32 or tuple(scales.shape) != (2, blocks):
+            raise ValueError(
+                f"{where}: {SCALES} is {scales.dtype} {tuple(scales.shape)}; it must be float32 (2, {blocks})"
+            )
+        if not bool(torch.isfinite(scales).all()) or bool((scales <= 0).any()):
+            raise ValueError(f"{where}: {SCALES} holds a non-finite or non-positive scale: the state was damaged")
+        return
+    if not bool(torch.isfinite(saved["exp_avg"]).all()):
+        raise ValueError(f"{where}: exp_avg holds a non-finite value; the run it was saved from had diverged")
+    sq = saved["exp_avg_sq"]
+    if not bool(torch.isfinite(sq).all()) or bool((sq < 0).any()):
+        raise ValueError(f"{where}: exp_avg_sq holds a non-finite or negative value, which no Adam step can make")
 
 
 def converted_moments(saved: dict[str, Tensor], dtype: torch.dtype, device: torch.device) -> dict[str, Tensor]:

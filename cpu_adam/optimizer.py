@@ -13,7 +13,7 @@ from torch import Tensor
 
 from . import ops, quant8
 from ._compiled_step import GroupStep, adam_step_groups
-from ._precision import MOMENTS, SCALES, converted_moments, resolved_precision, state_dtype
+from ._precision import MOMENTS, SCALES, check_saved_moments, converted_moments, resolved_precision, state_dtype
 from ._validation import check_hyper_parameters, check_param_group, check_step_count, checked_seed
 
 _OWN_KEYS = (
@@ -263,6 +263,11 @@ class CPUAdam(torch.optim.Optimizer):
         per_param = {i: s for i, s in state_dict["state"].items() if isinstance(s, dict)}
         moment_keys = (*MOMENTS, SCALES)
         moments = {i: {k: v for k, v in s.items() if k in moment_keys} for i, s in per_param.items() if i in saved_ids}
+        for saved_id, p in zip(saved_ids, params):  # all checked before anything changes
+            local = {k: _local(v) for k, v in moments.get(saved_id, {}).items()}
+            check_saved_moments(
+                f"CPUAdam.load_state_dict: the state of param {saved_id}", local, tuple(_local(p).shape)
+            )
         # Steps are cloned: torch's load keeps the saved step tensors, which a live
         # optimizer that produced them would go on incrementing in place.
         without_moments = {

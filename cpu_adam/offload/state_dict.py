@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from .._precision import MOMENTS, SCALES, converted_moments
+from .._precision import MOMENTS, SCALES, check_saved_moments, converted_moments
 from .._validation import check_param_group, check_step_count, checked_seed
 from ..quant8 import BLOCK
 from .layout import FlatLayout, check_shard, from_legacy_layout, full_numel, full_to_shard
@@ -142,6 +142,11 @@ def _check_groups(layouts: list[FlatLayout | None], state: dict[int, Any]) -> No
             raise ValueError(f"param group {g} of the state dict holds other parameters than this optimizer's")
         if saved is not None and saved["step"] != 0 and not all(k in saved for k in ("master", *MOMENTS)):
             raise ValueError(f"param group {g} of the state dict has taken steps but lacks its masters or moments")
+        if saved is not None and len(saved.get("param_steps", layout.shapes)) != len(layout.shapes):
+            raise ValueError(
+                f"{_WHERE}: param group {g} holds {len(saved['param_steps'])} param_steps for "
+                f"{len(layout.shapes)} params: the state dict was damaged or edited"
+            )
 
 
 def _check_loadable(state_dict: dict[str, Any]) -> None:
@@ -177,6 +182,10 @@ def _loaded_tensors(
             )
     if legacy:
         tensors = {name: from_legacy_layout(t, layout.shapes) for name, t in tensors.items()}
+    # The padding between params is not read: checked in the layout it is now in, whose padding is zeros.
+    check_saved_moments(where, {k: v for k, v in tensors.items() if k != "master"}, (tensors["master"].numel(),))
+    if not bool(torch.isfinite(tensors["master"]).all()):
+        raise ValueError(f"{where}: master holds a non-finite value; the run it was saved from had diverged")
     moments = {name: t for name, t in tensors.items() if name != "master"}
     tensors = {"master": tensors["master"], **converted_moments(moments, state_dtype, torch.device("cpu"))}
     if full:
