@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -25,6 +24,7 @@ from torch import Tensor
 
 from .._precision import resolved_precision, state_dtype
 from .._validation import check_hyper_parameters, check_param_group, checked_seed
+from . import refusals
 from . import rooms as house
 from . import state_dict as checkpoint
 from .options import DEFAULT_BUCKET_SIZE, check_options, checked_max_grad_norm
@@ -169,31 +169,20 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One Adam step on the grads of the backward passes since the last step or zero_grad."""
         if not self._one_step.acquire(blocking=False):
-            raise RuntimeError(
-                "cpu_adam.OffloadOptimizer.step() is already running in another thread: two steps at once would "
-                "each update the same state. Call step() from one thread (the one that runs backward)"
-            )
+            raise refusals.step_busy()
         try:
             return self._step(closure)
         finally:
             self._one_step.release()
 
     def _step(self, closure: Callable[[], Any] | None) -> Any:
-        self._check_usable()
+        refusals.check_open(self._closed, "step")
+        refusals.check_not_capturing(self._rooms.dev)
         self._rooms.model.check_written()
-        if any(p.requires_grad for p in self._frozen):
-            raise RuntimeError(
-                "cpu_adam.OffloadOptimizer: a param that was frozen (requires_grad=False) when the optimizer was built "
-                "now requires grad, and would never be trained: its layout in host memory is made at construction. "
-                "Build the optimizer after unfreezing (close() the old one; keep its state with state_dict())"
-            )
+        refusals.check_unfrozen(self._frozen)
         if getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None:
             self.grad_scale = self.found_inf = None
-            raise RuntimeError(
-                "cpu_adam.OffloadOptimizer does not take a GradScaler: bf16 has float32's exponent range, so loss "
-                "scaling is not needed. Call loss.backward() and optimizer.step() without the scaler; clip with "
-                "clip_grad_norm_ or max_grad_norm, and non-finite grads skip the step by themselves"
-            )
+            raise refusals.grad_scaler_refused()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -276,29 +265,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def _warn_no_grads(self) -> None:
         if not self._warned_no_grads:
             self._warned_no_grads = True
-            warnings.warn(
-                "cpu_adam.OffloadOptimizer.step(): no grad reached its params since the last step, so nothing was "
-                "updated. Call backward() before step(); if the model's params were replaced after the optimizer "
-                "was built (load_state_dict(assign=True), modules re-created), build the optimizer again over the "
-                "new params",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-
-    def _check_open(self, verb: str) -> None:
-        if self._closed:
-            raise RuntimeError(
-                f"cpu_adam.OffloadOptimizer.{verb}: this optimizer was closed (close()), and its params may be trained "
-                "by another one now; build a new optimizer over them (and load a state dict saved before close())"
-            )
-
-    def _check_usable(self) -> None:
-        self._check_open("step")
-        if self._rooms.dev.is_capturing():
-            raise RuntimeError(
-                "cpu_adam.OffloadOptimizer: step() cannot be captured in a CUDA graph: it waits on the host for the "
-                "grads and runs Adam on the CPU. Capture the forward only, or train without CUDA graphs"
-            )
+            refusals.warn_no_grads()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Discards the grads of the backward passes so far (a failed one's too): a new window begins."""
@@ -348,7 +315,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         the device and loads it back, which must not put the host state on the GPU. Loading such a
         dict zeroes the moments and keeps the masters (a handed-over model's fp32 values too).
         """
-        self._check_open("state_dict")
+        refusals.check_open(self._closed, "state_dict")
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         self._rooms.overlap.settle()
@@ -368,7 +335,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         With a process group every rank must call it (the weights are all-gathered). Everything is
         checked before anything changes. Load hooks run as with torch's optimizers.
         """
-        self._check_open("load_state_dict")
+        refusals.check_open(self._closed, "load_state_dict")
         state_dict = state_dict.copy()
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             returned = pre_hook(self, state_dict)
@@ -381,14 +348,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
             post_hook(self)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        raise TypeError(
-            "cpu_adam.OffloadOptimizer cannot be copied or pickled: it holds hooks on the model's params, pinned "
-            "host memory and a worker thread. Save optimizer.state_dict() (cpu_adam.save_checkpoint), and load it "
-            "into a new OffloadOptimizer built over the params"
-        )
+        raise refusals.copy_refused()
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
-        return self.__reduce_ex__(2)
+        raise refusals.copy_refused()
 
     def __del__(self) -> None:
         # Only the optimizer itself: Lightning's wrapper copies this __dict__ and must not close it.
