@@ -8,6 +8,7 @@ the previews (the step then runs serially), and a plain step must take them.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -147,7 +148,20 @@ def test_a_state_dict_between_steps_waits_for_the_commits():
     assert _same(dicts["backward"], dicts["none"])
 
 
-def test_a_failed_backward_then_zero_grad_equals_the_serial_step():
+@pytest.mark.parametrize("worker", ["prompt", "slow"])
+def test_a_failed_backward_then_zero_grad_equals_the_serial_step(monkeypatch: pytest.MonkeyPatch, worker: str):
+    # "slow": the worker's jobs run late, after the next backward has landed the same buckets again,
+    # which must not commit a deferred step twice.
+    if worker == "slow":
+        real = offload.overlap.run
+
+        def late(calls, *, preview: bool = False) -> None:
+            if threading.current_thread() is not threading.main_thread():
+                time.sleep(0.05)
+            real(calls, preview=preview)
+
+        monkeypatch.setattr(offload.overlap, "run", late)
+
     def run(overlap: str) -> list:
         model = make_model(0)
         opt = OffloadOptimizer(model.parameters(), **HYPER, overlap=overlap)

@@ -173,15 +173,21 @@ class BackwardOverlap:
         )
         slots = {key: self._link.buffers[g].tensor}
         preview = self._stepper.calls(chunk, hyper, slots, got, outputs=self.spare[g].tensor) if self._speculate else []
-        deferred = self._deferred.get(key)
+        # Taken now, not when the job runs: a landing of the same bucket before then (the backward
+        # after a failed one) must not commit the deferred step a second time.
+        deferred = self._deferred.pop(key, None)
         commit = [] if deferred is None else self._commit_calls(key, deferred)
         fused = _fused(commit, preview)
 
         def job() -> None:
             # The copy down has landed; on a GPU it also orders this after the last upload from the spare buffer.
             self._dev.wait_host(landing.event)
-            run(commit if fused is None else fused)
-            self._deferred.pop(key, None)  # committed: a failed commit stays deferred, and its error is raised
+            try:
+                run(commit if fused is None else fused)
+            except BaseException:
+                if deferred is not None:  # a failed commit stays deferred, and its error is raised
+                    self._deferred[key] = deferred
+                raise
             if fused is None and preview:
                 try:
                     run(preview, preview=True)
