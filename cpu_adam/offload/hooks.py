@@ -120,7 +120,7 @@ class Hooks:
                 if i not in packed:
                     lo, hi = layout.param_range(i)
                     staging[lo - bucket.start : hi - bucket.start].zero_()
-        landing = self._link.down(g, b, staging, take_norms=self._window.first_landing(g, b))
+        landing = self._link.down(g, b, staging, take_norms=self._window.landings(g, b) == 0)
         self._window.landed(g, b, landing)
         self._overlap.landed(g, b, landing)
 

@@ -40,13 +40,14 @@ class Scalars(NamedTuple):
 
 def save(rooms: Rooms, param_groups: list[dict[str, Any]], scalars: Scalars) -> dict[str, Any]:
     state = {}
+    if any(any(steps) for steps in rooms.store.steps):  # the masters of weights written since the last step
+        rooms.model.sync_masters(rooms.store)
     for g, layout in enumerate(rooms.layouts):
         if layout is None:
             continue
         steps = rooms.store.steps[g]
         state[g] = {"step": max(steps), "param_steps": list(steps), "shapes": [tuple(s) for s in layout.shapes]}
         if any(steps):
-            rooms.model.sync_masters(rooms.store)
             state[g].update(rooms.store.export(g))
     saved_groups, index = [], 0
     for options in param_groups:

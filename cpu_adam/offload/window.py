@@ -66,9 +66,6 @@ class Window:
     def got_grad(self, g: int, i: int) -> None:
         self.got[g][i] = True
 
-    def first_landing(self, g: int, b: int) -> bool:
-        return self._landings[(g, b)] == 0
-
     def landings(self, g: int, b: int) -> int:
         """Contributions bucket ``b`` received in this window."""
         return self._landings[(g, b)]
