@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from ._signals import interrupts_deferred
 from ._validation import check_hyper_parameters
 from .ops import adam_step
 
@@ -78,10 +79,11 @@ def _step_groups(groups: Sequence[GroupStep]) -> None:
     if len(calls) > 1:  # each call is all or nothing; checked together first, so is the whole step
         for _, _, kwargs in calls:
             adam_step(**kwargs, check_only=True)
-    for group, indices, kwargs in calls:
-        adam_step(**kwargs)
-        for i in indices:  # counted once the kernel has run: a step that raised changes no count
-            group.steps[i] += 1
+    with interrupts_deferred():  # Ctrl-C: after the counts, which change with the tensors
+        for group, indices, kwargs in calls:
+            adam_step(**kwargs)
+            for i in indices:  # counted once the kernel has run: a step that raised changes no count
+                group.steps[i] += 1
 
 
 def _kernel_calls(group: GroupStep) -> list[tuple[list[int], dict[str, Any]]]:

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from .._precision import resolved_precision, state_dtype
+from .._signals import interrupts_deferred
 from .._validation import check_hyper_parameters, check_param_group, checked_seed
 from . import refusals
 from . import rooms as house
@@ -195,6 +196,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if not r.window.has_grads:  # with ZeRO, the ranks shared which params got grads
             self._warn_no_grads()
             return loss  # no grads: like torch's optimizers, leave every param as it is
+        with interrupts_deferred():  # Ctrl-C lands after the step, not between the state and the weights
+            self._apply()
+        return loss
+
+    def _apply(self) -> None:
+        r = self._rooms
         t0 = time.perf_counter()
         r.link.wait_all()
         r.overlap.settle()  # this window's previews, and the commits of the step before
@@ -241,7 +248,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
         # adam_s includes uploads_s: the host's part of the uploads (all of them where the device is the host).
         self.step_timings = {"grads_wait_s": t1 - t0, "norm_s": t2 - t1, "adam_s": time.perf_counter() - t2}
         self.step_timings["uploads_s"] = up_s if finished.scale is not None else 0.0
-        return loss
 
     def _hyper(self, options: dict[str, Any], scale: float) -> dict[str, Any]:
         beta1, beta2 = options["betas"]
