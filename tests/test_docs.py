@@ -182,7 +182,7 @@ def run_torchrun(block: Block, workdir: Path) -> subprocess.CompletedProcess[str
     return subprocess.run(
         [*torchrun, "launch.py", script.name],
         cwd=workdir,
-        env=run_environment(),
+        env={**run_environment(), "CUDA_VISIBLE_DEVICES": ""},  # gloo on the CPU: NCCL wants a GPU per rank
         capture_output=True,
         text=True,
         timeout=TORCHRUN_TIMEOUT_S,
