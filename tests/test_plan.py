@@ -106,6 +106,12 @@ def test_a_count_plans_params_of_at_most_a_bucket(count):
     opt.close()
 
 
+def test_a_large_count_is_planned_at_once():
+    row = plan("10T", **BUDGET)[0]
+    assert row.params == 10**13 and row.host_bytes == pytest.approx(14 * 10**13, rel=1e-9)
+    assert row.grad_buffer_bytes == (OPEN_BUCKETS + 2) * 2**23 * 2
+
+
 def test_the_accumulator_is_planned_as_gradient_accumulation_allocates_it():
     model = make_model(0)
     opt = OffloadOptimizer(model.parameters(), state_precision="8bit", bucket_size=1024)

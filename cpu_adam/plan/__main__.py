@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         bucket_size = parse_count(args.bucket_size, "--bucket-size")
-        spec = model_spec(parse_count(args.params) if args.params else args.config, bucket_size)
+        spec = model_spec(parse_count(args.params) if args.params else args.config)
         gpu, gpu_from = _budget(args.gpu_memory, "--gpu-memory", detect_gpu_memory)
         host, host_from = _budget(args.host_memory, "--host-memory", detect_host_memory)
         bandwidth = measure_bandwidth(args.probe_seconds) if args.probe_seconds > 0 else None

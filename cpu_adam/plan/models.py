@@ -32,14 +32,19 @@ class ModelSpec:
     groups: list[list[Shape]]  # the trainable params (tied ones once) of each param group, in order
     frozen: int  # elements of params that are not trained: on the device, not in the optimizer
     source: str  # how the model was read, for the table's header
-    exact: bool  # False for a bare count: each param's padding, and how large the largest is, are unknown
+    count: int | None = None  # a bare count, without shapes (``groups`` is then empty)
+
+    @property
+    def exact(self) -> bool:
+        """False for a bare count: each param's padding, and how large the largest is, are unknown."""
+        return self.count is None
 
     @property
     def params(self) -> int:
-        return sum(math.prod(s) for g in self.groups for s in g)
+        return self.count if self.count is not None else sum(math.prod(s) for g in self.groups for s in g)
 
 
-def model_spec(model: ModelLike, bucket_size: int) -> ModelSpec:
+def model_spec(model: ModelLike) -> ModelSpec:
     """A count (int, or a string such as '1.3B'), a config.json path, an nn.Module, or params / param groups."""
     if isinstance(model, ModelSpec):
         return model
@@ -48,7 +53,7 @@ def model_spec(model: ModelLike, bucket_size: int) -> ModelSpec:
     if isinstance(model, (int, str)) and not isinstance(model, bool):
         is_path = isinstance(model, str) and (model.endswith(".json") or os.sep in model or Path(model).exists())
         if not is_path:
-            return _from_count(parse_count(model), bucket_size)
+            return ModelSpec([], 0, "a parameter count", count=parse_count(model))
     if isinstance(model, (str, os.PathLike)):
         return from_config(model)
     if isinstance(model, Iterable):
@@ -57,12 +62,6 @@ def model_spec(model: ModelLike, bucket_size: int) -> ModelSpec:
         f"cpu_adam.plan: a model is a parameter count (e.g. '1.3B'), a config.json path or an nn.Module, "
         f"got a {type(model).__name__}"
     )
-
-
-def _from_count(n: int, bucket_size: int) -> ModelSpec:
-    # Params no larger than a bucket: the count says nothing of the largest param or each one's padding.
-    shapes = [(bucket_size,)] * (n // bucket_size) + ([(n % bucket_size,)] if n % bucket_size else [])
-    return ModelSpec([shapes], 0, "a parameter count", exact=False)
 
 
 def _from_params(params: Iterable[Any], name: str) -> ModelSpec:
@@ -78,7 +77,7 @@ def _from_params(params: Iterable[Any], name: str) -> ModelSpec:
         trainable.append([tuple(p.shape) for p in ps if p.requires_grad])
         frozen += sum(p.numel() for p in ps if not p.requires_grad and id(p) not in seen)
         seen.update(id(p) for p in ps)
-    spec = ModelSpec(trainable, frozen, name, exact=True)
+    spec = ModelSpec(trainable, frozen, name)
     if spec.params == 0:
         raise PlanError(f"cpu_adam.plan: {name} have no param that requires grad: nothing to train")
     return spec
@@ -113,7 +112,7 @@ def from_config(path: str | os.PathLike) -> ModelSpec:
         shapes = _llama(_need(config, _LLAMA_KEYS, file, kind), config, LLAMA_LIKE[kind], file)
     else:
         return _from_transformers(file, kind)
-    return ModelSpec([shapes], 0, f"{file.name} ({kind})", exact=True)
+    return ModelSpec([shapes], 0, f"{file.name} ({kind})")
 
 
 def _need(config: dict[str, Any], keys: tuple[str, ...], file: Path, kind: str) -> list[int]:
@@ -185,4 +184,4 @@ def _from_transformers(file: Path, kind: str | None) -> ModelSpec:
             "pass the parameter count (--params 7B) or the model from Python"
         ) from None
     spec = _from_params(model.parameters(), type(model).__name__)
-    return ModelSpec(spec.groups, spec.frozen, f"{file.name} ({kind}, built by transformers)", exact=True)
+    return ModelSpec(spec.groups, spec.frozen, f"{file.name} ({kind}, built by transformers)")

@@ -23,7 +23,7 @@ from ..offload.params import WEIGHTS_DTYPE
 from ..offload.schedule import OPEN_BUCKETS
 from ..offload.store import SCALES_DTYPE, scales_shape
 from ..offload.window import ACCUMULATOR_DTYPE
-from .models import ModelLike, model_spec
+from .models import ModelLike, ModelSpec, model_spec
 from .probe import DEFAULT_PROBE_SECONDS, measure_bandwidth, step_bytes_per_param
 from .sizes import PlanError, detect_gpu_memory, detect_host_memory, parse_bytes, parse_count
 
@@ -104,21 +104,21 @@ def plan(
         check_options(torch.float32, False, max_inflight_buckets, overlap)
     except ValueError as error:
         raise PlanError(f"cpu_adam.plan: {error}") from None
-    spec = model_spec(model, bucket_size)
+    spec = model_spec(model)
     gpu = _budget(gpu_memory, "gpu_memory", detect_gpu_memory)
     host = _budget(host_memory, "host_memory", detect_host_memory)
     if bandwidth is None and probe_seconds > 0:
         bandwidth = measure_bandwidth(probe_seconds)
-    layouts = [FlatLayout([torch.Size(s) for s in g], bucket_size) for g in spec.groups if g]
+    groups = _layouts(spec, bucket_size)
+    elements = sum(n for n, _ in groups)
     weights = (spec.params + spec.frozen) * WEIGHTS_DTYPE.itemsize
-    largest = max(b.numel for layout in layouts for b in layout.buckets)
+    largest = max(bucket for _, bucket in groups)
     grad_buffers = (OPEN_BUCKETS + max_inflight_buckets) * largest * SLOT_DTYPE.itemsize
     rows = []
     for precision in STATE_PRECISIONS:
         for master_name, master in MASTER_DTYPES.items():
-            host_parts = _host_bytes(layouts, master, precision, overlap, accumulation)
+            host_parts = _host_bytes([n for n, _ in groups], master, precision, overlap, accumulation)
             moved = step_bytes_per_param(precision, master)
-            elements = sum(layout.shard_numel for layout in layouts)
             rows.append(
                 Row(
                     precision,
@@ -140,14 +140,28 @@ def plan(
     return rows
 
 
+def _layouts(spec: ModelSpec, bucket_size: int) -> list[tuple[int, int]]:
+    """(host elements, largest bucket's elements) of each param group, as the optimizer's FlatLayout lays it out."""
+    if spec.count is None:
+        layouts = [FlatLayout([torch.Size(s) for s in g], bucket_size) for g in spec.groups if g]
+        return [(layout.shard_numel, max(b.numel for b in layout.buckets)) for layout in layouts]
+    # A count: params of a bucket each, then the rest. Each is a bucket alone, so their layouts add up,
+    # without listing a billion-param model's thousands of them.
+    full, rest = divmod(spec.count, bucket_size)
+    parts = [(size, copies) for size, copies in ((bucket_size, full), (rest, 1)) if size and copies]
+    numels = [(FlatLayout([torch.Size([size])], bucket_size).numel, copies) for size, copies in parts]
+    return [(sum(numel * copies for numel, copies in numels), max(numel for numel, _ in numels))]
+
+
 def _host_bytes(
-    layouts: list[FlatLayout], master: torch.dtype, precision: str, overlap: str, accumulation: bool
+    groups: list[int], master: torch.dtype, precision: str, overlap: str, accumulation: bool
 ) -> tuple[int, int, int, int, int]:
-    """(master, state, pinned, accumulator, overlap) bytes, as the optimizer allocates them per group."""
-    n = sum(layout.shard_numel for layout in layouts)
+    """(master, state, pinned, accumulator, overlap) bytes of param groups of these host elements, as the
+    optimizer allocates them."""
+    n = sum(groups)
     states = 2 * n * state_dtype(precision).itemsize
-    if state_dtype(precision) == torch.uint8:  # as the store allocates block scales
-        states += sum(math.prod(scales_shape(layout.shard_numel)) for layout in layouts) * SCALES_DTYPE.itemsize
+    if state_dtype(precision) == torch.uint8:  # as the store allocates block scales, per group
+        states += sum(math.prod(scales_shape(g)) for g in groups) * SCALES_DTYPE.itemsize
     return (
         n * master.itemsize,
         states,
