@@ -4,7 +4,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 ROOT = Path(__file__).resolve().parent
 
@@ -30,7 +30,8 @@ def ahead_of_time_build() -> dict:
 
 
 setup(
-    packages=["cpu_adam", "cpu_adam.csrc"],
+    # Every subpackage (offload, plan), found rather than listed, so that a new one cannot be left out of the wheel.
+    packages=[*find_packages(include=["cpu_adam", "cpu_adam.*"]), "cpu_adam.csrc"],
     package_dir={"cpu_adam.csrc": "csrc"},
     package_data={"cpu_adam.csrc": ["*.cpp", "*.h", "kernels/*.cpp", "kernels/*.h"]},
     **ahead_of_time_build(),

@@ -31,7 +31,9 @@ from .device import DeviceOps, Event, HostBuffer
 from .layout import FlatLayout
 from .world import World
 
-__all__ = ["Landing", "Link", "Slot"]
+__all__ = ["SLOT_DTYPE", "Landing", "Link", "Slot"]
+
+SLOT_DTYPE = torch.bfloat16  # the pinned slots: grads down, weights up
 
 
 class Slot(enum.Enum):
@@ -65,7 +67,7 @@ class Link:
         self._params = params
         self._max_inflight = max_inflight
         self.buffers = [
-            None if layout is None else dev.host_buffer(layout.shard_numel, torch.bfloat16) for layout in layouts
+            None if layout is None else dev.host_buffer(layout.shard_numel, SLOT_DTYPE) for layout in layouts
         ]
         self.slots = {
             (g, b): Slot.EMPTY for g, layout in enumerate(layouts) if layout for b in range(len(layout.buckets))

@@ -28,13 +28,12 @@ import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-import torch
 from torch import Tensor
 
 from ..ops import NextStep
 from .device import DeviceOps, HostBuffer
 from .layout import FlatLayout
-from .link import Landing, Link
+from .link import SLOT_DTYPE, Landing, Link
 from .stepper import Chunk, Stepper, run
 from .window import Finished, Window
 from .world import World
@@ -139,7 +138,7 @@ class BackwardOverlap:
         self._hyper_of = hyper_of  # group, scale -> the kernel's hyper-parameters as step() would pass them
         # The grads of the deferred step, then the previews' weights written over them; pinned, as uploads read it.
         self.spare: list[HostBuffer | None] = [
-            None if layout is None else dev.host_buffer(layout.shard_numel, torch.bfloat16) for layout in layouts
+            None if layout is None else dev.host_buffer(layout.shard_numel, SLOT_DTYPE) for layout in layouts
         ]
         self._deferred: dict[Key, _Deferred] = {}
         self._previews: dict[Key, _Preview] = {}

@@ -20,7 +20,9 @@ from torch import Tensor
 from .layout import FlatLayout
 from .store import Store
 
-__all__ = ["ModelSide", "check_params", "check_unclaimed", "claim", "param_groups", "release"]
+__all__ = ["WEIGHTS_DTYPE", "ModelSide", "check_params", "check_unclaimed", "claim", "param_groups", "release"]
+
+WEIGHTS_DTYPE = torch.bfloat16  # the model's weights on the device, the only dtype the optimizer trains
 
 # Which live optimizer trains each param. Kept beside the params, not on them: an attribute would
 # travel with the model into torch.save and pickle, which cannot take a weak reference.
@@ -60,7 +62,7 @@ def check_params(groups: list[list[Tensor]]) -> torch.device:
             "storage there; load the weights before the first step"
         )
     for p in params:
-        if p.dtype != torch.bfloat16:
+        if p.dtype != WEIGHTS_DTYPE:
             raise TypeError(
                 f"cpu_adam.OffloadOptimizer: a parameter of shape {tuple(p.shape)} is {p.dtype}; the offload "
                 "optimizer trains bf16 weights (master weights stay in host RAM). Convert the model first: "
@@ -184,7 +186,7 @@ class ModelSide:
         """Params changed after construction (dtype, device, shape) would be trained wrongly: refuse."""
         for ps, layout in zip(self.params, self._layouts):
             for p, shape in zip(ps, layout.shapes if layout else []):
-                if p.dtype != torch.bfloat16 or p.device != self.device or p.shape != shape:
+                if p.dtype != WEIGHTS_DTYPE or p.device != self.device or p.shape != shape:
                     raise RuntimeError(
                         f"cpu_adam.OffloadOptimizer: a parameter built as {tuple(shape)} bfloat16 on "
                         f"{self.device} is now {tuple(p.shape)} {p.dtype} on {p.device} (the model was converted "

@@ -18,7 +18,14 @@ from .._precision import SCALES
 from ..quant8 import BLOCK
 from .layout import FlatLayout
 
-__all__ = ["ChunkViews", "HostStore", "Store"]
+__all__ = ["SCALES_DTYPE", "ChunkViews", "HostStore", "Store", "scales_shape"]
+
+SCALES_DTYPE = torch.float32  # 8-bit moments: the scale of each block
+
+
+def scales_shape(numel: int) -> tuple[int, int]:
+    """The block scales of ``numel`` (a multiple of BLOCK) 8-bit elements: both moments' scale per block."""
+    return (2, numel // BLOCK)
 
 
 class ChunkViews(NamedTuple):
@@ -115,7 +122,7 @@ class _GroupState:
         self.exp_avg = torch.zeros(n, dtype=state_dtype)
         self.exp_avg_sq = torch.zeros(n, dtype=state_dtype)
         # 8-bit moments (uint8 codes): both moments' scale per block; an all-zero block's is 1.
-        self.scales = torch.ones(2, n // BLOCK) if state_dtype == torch.uint8 else None
+        self.scales = torch.ones(scales_shape(n), dtype=SCALES_DTYPE) if state_dtype == torch.uint8 else None
 
 
 def _nbytes(t: Tensor | None) -> int:

@@ -27,7 +27,9 @@ from .layout import FlatLayout
 from .link import Landing, Link
 from .world import World
 
-__all__ = ["Finished", "Window"]
+__all__ = ["ACCUMULATOR_DTYPE", "Finished", "Window"]
+
+ACCUMULATOR_DTYPE = torch.float32  # contributions of a bucket that lands more than once
 
 
 class Finished(NamedTuple):
@@ -82,7 +84,7 @@ class Window:
         if count == 0 or where is None:
             return
         if self.accumulators[g] is None:
-            self.accumulators[g] = torch.zeros(self._layouts[g].shard_numel, dtype=torch.float32)
+            self.accumulators[g] = torch.zeros(self._layouts[g].shard_numel, dtype=ACCUMULATOR_DTYPE)
         acc, grads = self.accumulators[g][where[1]], self._link.landed(g, b)
         if count == 1:
             acc.copy_(grads)

@@ -1,0 +1,372 @@
+"""cpu_adam.plan: the planner's bytes are the bytes real optimizers hold, configs are read as transformers
+builds them, and bad input gets a message that names the fix, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from offload_helpers import CopyingCPU, batches, lm_loss, make_model
+from torch import nn
+
+from cpu_adam import OffloadOptimizer, offload
+from cpu_adam.offload.schedule import OPEN_BUCKETS
+from cpu_adam.plan import PlanError, from_config, parse_bytes, parse_count, plan
+from cpu_adam.plan.__main__ import main
+from cpu_adam.plan.probe import measure_bandwidth
+
+ROOT = Path(__file__).resolve().parent.parent
+BUDGET = dict(gpu_memory="1GiB", host_memory="1GiB", probe_seconds=0)  # no detection, no probe
+MASTERS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+STAT_KEYS = (
+    "params",
+    "host_bytes",
+    "master_bytes",
+    "state_bytes",
+    "pinned_bytes",
+    "accumulator_bytes",
+    "overlap_bytes",
+    "weights_bytes",
+)
+
+
+class Odd(nn.Module):
+    """Sizes that are no multiple of 256, a bias-free layer, a 1-element param; nothing tied."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(37, 53)
+        self.b = nn.Linear(53, 3, bias=False)
+        self.scale = nn.Parameter(torch.ones(1))
+
+
+def odd() -> nn.Module:
+    torch.manual_seed(0)
+    return Odd().to(torch.bfloat16)
+
+
+def embedding_past_a_bucket() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(100, 33), nn.Linear(33, 7)).to(torch.bfloat16)  # 3300 > bucket_size
+
+
+def two_groups(model: nn.Module) -> list[dict]:
+    params = list(model.parameters())
+    return [{"params": params[:2]}, {"params": params[2:], "weight_decay": 0.0}]
+
+
+MODELS = {
+    "tied TinyLM": lambda: make_model(0),
+    "odd sizes": odd,
+    "embedding past a bucket": embedding_past_a_bucket,
+    "two param groups": lambda: two_groups(make_model(0)),
+}
+
+
+def assert_plan_is_held(opt: OffloadOptimizer, row) -> None:
+    stats = opt.memory_stats()
+    assert {k: getattr(row, k) for k in STAT_KEYS} == {k: stats[k] for k in STAT_KEYS}
+
+
+@pytest.mark.parametrize("overlap", ["none", "backward"])
+@pytest.mark.parametrize("name", MODELS)
+def test_the_planned_host_bytes_are_what_each_optimizer_holds(name: str, overlap: str):
+    model = MODELS[name]()
+    rows = plan(model, **BUDGET, bucket_size=1024, overlap=overlap)
+    assert [(r.state_precision, r.master_dtype) for r in rows] == [
+        (p, m) for p in ("fp32", "bf16", "8bit") for m in ("fp32", "bf16")
+    ]
+    for row in rows:
+        params = model.parameters() if isinstance(model, nn.Module) else model
+        opt = OffloadOptimizer(
+            params,
+            state_precision=row.state_precision,
+            master_weights_dtype=MASTERS[row.master_dtype],
+            bucket_size=1024,
+            overlap=overlap,
+        )
+        try:
+            assert_plan_is_held(opt, row)
+        finally:
+            opt.close()
+
+
+@pytest.mark.parametrize("count", [1000, "3000"])  # the second spans buckets of 1024
+def test_a_count_plans_params_of_at_most_a_bucket(count):
+    n = int(count)
+    params = [torch.zeros(k, dtype=torch.bfloat16, requires_grad=True) for k in (1024,) * (n // 1024) + (n % 1024,)]
+    opt = OffloadOptimizer(params, state_precision="8bit", bucket_size=1024)
+    row = plan(count, **BUDGET, bucket_size=1024)[4]
+    assert_plan_is_held(opt, row)
+    assert row.grad_buffer_bytes == (OPEN_BUCKETS + 2) * 1024 * 2  # open and in-flight bf16 buckets
+    opt.close()
+
+
+def test_a_large_count_is_planned_at_once():
+    row = plan("10T", **BUDGET)[0]
+    assert row.params == 10**13 and row.host_bytes == pytest.approx(14 * 10**13, rel=1e-9)
+    assert row.grad_buffer_bytes == (OPEN_BUCKETS + 2) * 2**23 * 2
+
+
+def test_the_accumulator_is_planned_as_gradient_accumulation_allocates_it():
+    model = make_model(0)
+    opt = OffloadOptimizer(model.parameters(), state_precision="8bit", bucket_size=1024)
+    for tokens in batches(2):  # two micro-batches, one step
+        lm_loss(model, tokens).backward()
+    opt.step()
+    row = plan(model, **BUDGET, bucket_size=1024, accumulation=True)[4]
+    assert (row.state_precision, row.master_dtype) == ("8bit", "fp32")
+    assert row.accumulator_bytes > 0
+    assert_plan_is_held(opt, row)
+    opt.close()
+
+
+def test_frozen_params_are_on_the_device_but_not_in_host_memory():
+    model = odd()
+    model.a.bias.requires_grad_(False)
+    opt = OffloadOptimizer(model.parameters(), bucket_size=1024)
+    row = plan(model, **BUDGET, bucket_size=1024)[0]
+    stats = opt.memory_stats()
+    assert row.host_bytes == stats["host_bytes"] and row.params == stats["params"]
+    assert row.weights_bytes == stats["weights_bytes"] + 2 * model.a.bias.numel()
+    opt.close()
+
+
+class SlowCopies(CopyingCPU):
+    """The CPU as a GPU whose copies down never finish before the host waits for them: buckets pile up."""
+
+    def record(self) -> object:
+        return object()
+
+    def done(self, event: object) -> bool:
+        return event is None
+
+    def wait_host(self, event: object) -> None:
+        pass
+
+    def compute_waits(self, event: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize("inflight", [1, 3])
+def test_the_planned_grad_buffers_are_the_device_peak_when_buckets_pile_up(monkeypatch, inflight: int):
+    # Every bucket holds one used and one unused layer, so none fills: each is flushed early, the worst case.
+    monkeypatch.setattr(offload.rooms, "DeviceOps", SlowCopies)
+    width, layers = 32, 16  # 8 buckets: more than any pile-up below
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(layers)]).to(torch.bfloat16)
+    params = [p for pair in zip(model[: layers // 2].parameters(), model[layers // 2 :].parameters()) for p in pair]
+    bucket = 2 * width * width
+    opt = OffloadOptimizer(params, bucket_size=bucket, max_inflight_buckets=inflight)
+    model[: layers // 2](torch.randn(4, width, dtype=torch.bfloat16)).float().sum().backward()
+    row = plan(params, **BUDGET, bucket_size=bucket, max_inflight_buckets=inflight)[0]
+    assert opt.memory_stats()["device_peak_bytes"] == row.grad_buffer_bytes
+    assert row.device_bytes == row.weights_bytes + row.grad_buffer_bytes
+    opt.step()
+    opt.close()
+
+
+def test_with_copies_that_keep_up_the_device_peak_stays_under_the_plan(monkeypatch):
+    monkeypatch.setattr(offload.rooms, "DeviceOps", CopyingCPU)
+    model = embedding_past_a_bucket()
+    opt = OffloadOptimizer(model.parameters(), bucket_size=1024)
+    model(torch.randint(100, (4, 5))).float().sum().backward()
+    opt.step()
+    peak = opt.memory_stats()["device_peak_bytes"]
+    assert 0 < peak <= plan(model, **BUDGET, bucket_size=1024)[0].grad_buffer_bytes
+    opt.close()
+
+
+def test_fits_judges_each_side_and_says_when_one_is_unknown():
+    host_14 = 14 * 2**20  # fp32/fp32 host bytes of 2^20 params
+    rows = plan(2**20, gpu_memory=2**30, host_memory=host_14, probe_seconds=0)
+    assert rows[0].host_bytes == host_14 and rows[0].fits is True
+    assert all(r.fits for r in rows)
+    assert plan(2**20, gpu_memory=2**20, host_memory="1GiB", probe_seconds=0)[0].fits is False
+    assert plan(2**20, gpu_memory=2**30, host_memory=host_14 - 1, probe_seconds=0)[0].host_fits is False
+    row = plan(2**20, gpu_memory=None, host_memory="1GiB", probe_seconds=0)[0]
+    if not torch.cuda.is_available():
+        assert row.gpu_fits is None and row.fits is None and row.gpu_left is None
+
+
+def test_the_step_estimate_scales_with_the_bytes_each_configuration_moves():
+    rows = plan("1B", **{**BUDGET, "probe_seconds": 0}, bandwidth=10e9)
+    moved = {(r.state_precision, r.master_dtype): r.step_bytes_per_param for r in rows}
+    assert moved[("fp32", "fp32")] == 2 * 4 + 4 * 4 + 2 + 2
+    assert moved[("bf16", "bf16")] == 2 * 2 + 4 * 2 + 2 + 2
+    assert moved[("8bit", "fp32")] == 2 * 4 + 4 * 1 + 2 * 2 * 4 / 256 + 2 + 2
+    for r in rows:
+        assert r.step_seconds == pytest.approx(r.step_bytes_per_param * 1e9 / 10e9, rel=1e-3)
+
+
+def test_the_bandwidth_probe_is_short_and_plausible():
+    bandwidth = measure_bandwidth(0.05, elements=1 << 20)
+    assert 1e8 < bandwidth < 1e13
+
+
+# -- config.json -----------------------------------------------------------------------------
+
+GPT2 = dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=101, n_positions=32)
+LLAMA = dict(
+    model_type="llama",
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=101,
+)
+CONFIGS = {
+    "gpt2 tied": GPT2,
+    "gpt2 untied": {**GPT2, "tie_word_embeddings": False, "n_inner": 80},
+    "llama untied": LLAMA,
+    "llama tied, biases": {**LLAMA, "tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True},
+    "qwen2": {**LLAMA, "model_type": "qwen2"},
+}
+
+
+def write_config(tmp_path: Path, config: dict) -> Path:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def transformers_model(path: Path) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(str(path)))
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_a_config_is_read_as_transformers_builds_it(tmp_path: Path, name: str):
+    path = write_config(tmp_path, CONFIGS[name])
+    spec = from_config(path)
+    model = transformers_model(path)
+    assert spec.groups == [[tuple(p.shape) for p in model.parameters()]]
+    tied = CONFIGS[name].get("tie_word_embeddings", name.startswith("gpt2"))
+    vocab_rows = sum(1 for g in spec.groups for s in g if s[0] == 101)
+    assert vocab_rows == (1 if tied else 2)
+
+
+def test_a_config_plans_the_bytes_of_the_optimizer_on_its_model(tmp_path: Path):
+    path = write_config(tmp_path, CONFIGS["gpt2 tied"])
+    model = transformers_model(path)  # on the meta device: the optimizer gives it storage on the CPU
+    opt = OffloadOptimizer(model.parameters(), device="cpu", bucket_size=4096, state_precision="bf16")
+    row = plan(tmp_path, **BUDGET, bucket_size=4096)[2]  # the folder holding config.json
+    assert row.state_precision == "bf16"
+    assert_plan_is_held(opt, row)
+    opt.close()
+
+
+def test_another_model_type_is_built_by_transformers(tmp_path: Path):
+    pytest.importorskip("transformers")
+    config = dict(model_type="gpt_neox", hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+    path = write_config(tmp_path, {**config, "num_attention_heads": 4, "vocab_size": 101})
+    spec = from_config(path)
+    assert "transformers" in spec.source
+    assert spec.params == sum(p.numel() for p in transformers_model(path).parameters())
+
+
+def test_without_transformers_another_model_type_names_the_ways_out(tmp_path: Path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers raises ImportError
+    path = write_config(tmp_path, {"model_type": "gpt_neox", "hidden_size": 64})
+    with pytest.raises(PlanError, match=r"'gpt_neox'.*pip install transformers.*--params.*plan\(model\)"):
+        from_config(path)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ({"model_type": "llama", "hidden_size": 64}, r"lacks intermediate_size, num_hidden_layers.*--params"),
+        ({**GPT2, "n_layer": -2}, r"lacks n_layer \(has n_layer=-2\)"),
+        ({**LLAMA, "num_attention_heads": 5}, r"no whole head size"),
+        ("{not json", r"is not JSON"),
+        ([1, 2], r"not a config object"),
+    ],
+)
+def test_a_bad_config_is_refused_naming_the_problem(tmp_path: Path, content, message: str):
+    path = tmp_path / "config.json"
+    path.write_text(content if isinstance(content, str) else json.dumps(content))
+    with pytest.raises(PlanError, match=message):
+        from_config(path)
+
+
+# -- sizes and the command line --------------------------------------------------------------
+
+
+def test_sizes_are_read_as_written():
+    assert parse_count("1.3B") == 1_300_000_000
+    assert [parse_count(x) for x in ("350M", "125k", "7e9", "2^24", "1_000", 12)] == [
+        350_000_000,
+        125_000,
+        7_000_000_000,
+        1 << 24,
+        1000,
+        12,
+    ]
+    assert [parse_bytes(x, "x") for x in ("80GiB", "80GB", "80G", "512 MiB", 4096)] == [
+        80 << 30,
+        80 * 10**9,
+        80 << 30,
+        512 << 20,
+        4096,
+    ]
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [(-5, "a positive count"), ("0", "from 1 to"), ("1.5", "whole"), ("lots", "such as 1.3B"), (True, "a number")],
+)
+def test_a_bad_count_is_refused(value, message: str):
+    with pytest.raises(PlanError, match=message):
+        parse_count(value)
+
+
+def test_a_bad_size_is_refused_by_name():
+    with pytest.raises(PlanError, match=r"host_memory must be a size such as 80GiB.*got '80 gigs'"):
+        plan(100, host_memory="80 gigs", gpu_memory="1GiB", probe_seconds=0)
+    with pytest.raises(PlanError, match="gpu_memory must be a positive size"):
+        plan(100, host_memory="1GiB", gpu_memory="-1GiB", probe_seconds=0)
+    with pytest.raises(PlanError, match="overlap must be one of"):
+        plan(100, **BUDGET, overlap="forward")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--params=-5"], "a positive count"),
+        (["--params", "1.3B", "--gpu-memory", "80Gx"], "--gpu-memory must be a size"),
+        (["--config", "no/such/config.json"], "cannot read"),
+        (["--params", "1B", "--config", "c.json"], "not allowed with"),
+    ],
+)
+def test_the_command_line_refuses_bad_input_with_exit_code_2(capsys, args: list[str], message: str):
+    with pytest.raises(SystemExit) as exit_:
+        main([*args, "--probe-seconds", "0"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_the_command_line_prints_the_table():
+    command = [sys.executable, "-m", "cpu_adam.plan", "--params", "1.3B", "--gpu-memory", "80GiB"]
+    done = subprocess.run([*command, "--host-memory", "125GiB"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    table = [line for line in lines if line.startswith("| ")]
+    assert table[0].split("|")[1].strip() == "states" and len(table) == 7
+    fp32 = table[1].split("|")
+    assert [c.strip() for c in fp32[1:5]] == ["fp32", "fp32", "16.95", "14.00"]
+    assert "yes" in fp32[7] and "(estimate)" in fp32[8]
+    assert any("Activations" in line for line in lines)
+
+
+def test_the_command_line_config_and_json(tmp_path: Path, capsys):
+    path = write_config(tmp_path, CONFIGS["llama untied"])
+    main(["--config", str(path), "--gpu-memory", "1GiB", "--host-memory", "1GiB", "--probe-seconds", "0", "--json"])
+    rows = json.loads(capsys.readouterr().out)
+    assert len(rows) == 6 and rows[0]["params"] == from_config(path).params and rows[0]["fits"] is True
