@@ -4,20 +4,33 @@
 during the write leaves neither the old checkpoint nor a loadable new one. Here the new bytes go
 to a temporary file beside ``path``, reach the disk (fsync), and only then replace ``path`` in
 one rename, itself made durable by syncing the directory.
+
+Loading checks the file first: a checkpoint is a zip archive with a CRC-32 of every record
+(``_zip_checksums.py``), which ``torch.load`` does not check. ``load_checkpoint`` checks them
+(one more read of the file, at several GB/s), so a damaged, truncated or foreign file is named
+as such instead of loading changed numbers or failing with an error that does not say why.
 """
 
 from __future__ import annotations
 
 import glob
 import os
+import pickle
 import stat
 import tempfile
+import zipfile
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
 
-__all__ = ["load_checkpoint", "save_checkpoint"]
+from ._zip_checksums import crcs_by_zlib, fill_crcs
+
+__all__ = ["DamagedCheckpointError", "load_checkpoint", "save_checkpoint"]
+
+
+class DamagedCheckpointError(RuntimeError):
+    """The file is not a whole checkpoint: empty, truncated, changed after it was saved, or not one at all."""
 
 
 def save_checkpoint(obj: Any, path: str | os.PathLike[str]) -> None:
@@ -32,7 +45,7 @@ def save_checkpoint(obj: Any, path: str | os.PathLike[str]) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         os.fchmod(fd, mode)
-        with os.fdopen(fd, "wb") as f:
+        with os.fdopen(fd, "w+b") as f:
             _write(obj, f, path)
         os.replace(tmp, path)
     except BaseException:
@@ -45,7 +58,10 @@ def save_checkpoint(obj: Any, path: str | os.PathLike[str]) -> None:
 
 def _write(obj: Any, f: BinaryIO, path: Path) -> None:
     try:
-        torch.save(obj, f)
+        with crcs_by_zlib() as ours:
+            torch.save(obj, f)
+        if ours:
+            fill_crcs(f)
         f.flush()
         os.fsync(f.fileno())
     except RuntimeError as error:
@@ -69,9 +85,61 @@ def _mode_for(path: Path) -> int:
         return 0o666 & ~umask
 
 
-def load_checkpoint(path: str | os.PathLike[str], **kwargs: Any) -> Any:
-    """``torch.load(path, **kwargs)``; with ``weights_only=True`` by default, as torch's."""
-    return torch.load(path, **kwargs)
+def load_checkpoint(path: str | os.PathLike[str], *, verify: bool = True, **kwargs: Any) -> Any:
+    """``torch.load(path, **kwargs)`` (``weights_only=True`` by default, as torch's), of a file checked first.
+
+    Raises ``DamagedCheckpointError`` naming the file when it is empty, truncated, not a
+    checkpoint, or when a record's bytes no longer match the CRC-32 written with them.
+    ``verify=False`` skips the check (one more read of the file).
+    """
+    path = Path(path)
+    if verify:
+        _check_whole(path)
+    try:
+        return torch.load(path, **kwargs)
+    except (EOFError, RuntimeError, ValueError, OSError, IndexError, KeyError) as error:
+        if isinstance(error, FileNotFoundError | IsADirectoryError | PermissionError):
+            raise
+        raise DamagedCheckpointError(
+            f"{path} could not be loaded as a checkpoint ({type(error).__name__}: {error}); it is damaged or was "
+            "not written by torch.save / cpu_adam.save_checkpoint"
+        ) from error
+
+
+# The pickled magic number that opens torch's pre-1.6 format, without the protocol header.
+_LEGACY_MAGIC = pickle.dumps(torch.serialization.MAGIC_NUMBER, protocol=2)[2:-1]
+
+
+def _check_whole(path: Path) -> None:
+    if path.stat().st_size == 0:
+        raise DamagedCheckpointError(
+            f"{path} is empty: not a checkpoint (a save that never finished? save_checkpoint never leaves one)"
+        )
+    if not zipfile.is_zipfile(path):
+        with path.open("rb") as f:
+            head = f.read(64)
+        if _LEGACY_MAGIC not in head:  # torch's pre-1.6 format, without checksums, starts with it
+            raise DamagedCheckpointError(
+                f"{path} is not a whole checkpoint: it is truncated or damaged, or not a file torch.save wrote"
+            )
+        return
+    try:
+        with zipfile.ZipFile(path) as archive:
+            records = archive.infolist()
+            if not any(r.filename.endswith("/data.pkl") or r.filename == "data.pkl" for r in records):
+                raise DamagedCheckpointError(f"{path} is a zip archive but not a checkpoint: it holds no data.pkl")
+            if all(r.CRC == 0 for r in records):
+                return  # saved with torch's checksums turned off: nothing to check against
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, EOFError, OSError, ValueError) as error:
+        if isinstance(error, FileNotFoundError | PermissionError):
+            raise
+        raise DamagedCheckpointError(f"{path} is damaged: its zip archive cannot be read ({error})") from error
+    if bad is not None:
+        raise DamagedCheckpointError(
+            f"{path} is damaged: the bytes of its record {bad!r} changed after the save (their CRC-32 differs from "
+            "the one written with them). Load an earlier checkpoint"
+        )
 
 
 def _sync_directory(directory: Path) -> None:

@@ -1,0 +1,77 @@
+"""What the checkpoint's checksums cost: save and load of a state of --gb GB, with and without them.
+
+torch.save computes a CRC-32 of every record unless told not to; load_checkpoint reads the file
+once more to check them. Rounds interleave the four operations; medians are quoted, and the
+checks' share of a save plus a load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import format_table
+
+from cpu_adam import checkpoint, load_checkpoint, save_checkpoint
+
+
+def _state(gb: float) -> dict[str, torch.Tensor]:
+    # An fp32 master and two moments, as an optimizer's state dict holds them.
+    n = int(gb * 1e9 / 4 / 3)
+    return {name: torch.randn(n) for name in ("master", "exp_avg", "exp_avg_sq")}
+
+
+def _save_unchecked(state: dict, path: Path) -> None:
+    """save_checkpoint (temporary file, fsync, rename) with torch's CRC-32s turned off."""
+    config = torch.utils.serialization.config
+    config.save.compute_crc32 = False
+    filled, checkpoint.fill_crcs = checkpoint.fill_crcs, lambda f: None
+    try:
+        save_checkpoint(state, path)
+    finally:
+        config.save.compute_crc32 = True
+        checkpoint.fill_crcs = filled
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--gb", type=float, default=1.0, help="size of the state (default 1 GB)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
+    args = parser.parse_args()
+    state = _state(args.gb)
+    times: dict[str, list[float]] = {k: [] for k in ("save", "save, no CRC", "load, checked", "load, unchecked")}
+    with tempfile.TemporaryDirectory(dir=args.dir) as directory:
+        path, plain = Path(directory) / "ckpt.pt", Path(directory) / "plain.pt"
+        operations = {
+            "save": lambda: save_checkpoint(state, path),
+            "save, no CRC": lambda: _save_unchecked(state, plain),
+            "load, checked": lambda: load_checkpoint(path),
+            "load, unchecked": lambda: load_checkpoint(path, verify=False),
+        }
+        for r in range(args.rounds + 1):
+            for name, operation in operations.items():
+                start = time.perf_counter()
+                operation()
+                if r:  # the first round warms the page cache and the allocator
+                    times[name].append(time.perf_counter() - start)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    rows = [[k, f"{v:.3f}", f"{min(times[k]):.3f}", f"{max(times[k]):.3f}"] for k, v in med.items()]
+    print(f"state: {args.gb:g} GB (3 fp32 tensors), {args.rounds} rounds, medians in seconds")
+    print(format_table(["operation", "median s", "min s", "max s"], rows))
+    crc_save = med["save"] - med["save, no CRC"]
+    check_load = med["load, checked"] - med["load, unchecked"]
+    whole = med["save, no CRC"] + med["load, unchecked"]
+    print(f"CRC at save: {crc_save:+.3f} s; the check at load: {check_load:+.3f} s")
+    print(f"together {100 * (crc_save + check_load) / whole:.1f}% of an unchecked save plus load ({whole:.3f} s)")
+
+
+if __name__ == "__main__":
+    main()
