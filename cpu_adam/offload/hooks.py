@@ -9,7 +9,9 @@ by the window, as its slot will receive the next.
 The end of a backward pass is seen through a callback queued on each autograd graph task a hook
 fired in (reentrant checkpointing runs nested ones): a user backward ends when none of them is
 running any more. A backward that raised never runs its callback: the window then refuses to
-close on its partial grads until ``zero_grad()`` drops them.
+close on its partial grads until ``zero_grad()`` drops them. With ZeRO the other ranks wait in
+the collectives of that backward: ``zero_grad()`` first makes them (``abandon``), saying that this
+rank failed, and every rank's backward then raises at its end instead of stepping.
 """
 
 from __future__ import annotations
@@ -147,6 +149,17 @@ class Hooks:
             self._params[g][i].grad = placeholder(self._params[g][i], self._window, g, i)
         self._schedule.all_sent()
         self._window.backward_ended()
+        self._window.check_finished()  # another rank's backward raised: this one does too
+
+    def abandon(self) -> None:
+        """After a backward that raised half-way: the collectives it owed the other ranks, which learn it failed."""
+        if not (self._window.in_backward and self._schedule.owes_peers):
+            return
+        self._window.abandoned()  # once: if a collective fails here, the window still refuses to step
+        for key in self._schedule.backward_ended():
+            self._send(key)
+        self._window.share_got(failed=True)
+        self._schedule.all_sent()
 
     def reset(self) -> None:
         """Drops what was packed and not sent: a new window begins."""

@@ -275,6 +275,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Discards the grads of the backward passes so far (a failed one's too): a new window begins."""
+        self._rooms.hooks.abandon()
         self._rooms.link.wait_all()
         self._new_window()
         for options in self.param_groups:
@@ -294,7 +295,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
             return
         self._closed = True
         self._rooms.hooks.remove()
-        self.zero_grad()  # no placeholder grads left on the params
+        try:
+            self.zero_grad()  # no placeholder grads left on the params; with ZeRO, a failed backward's collectives
+        except RuntimeError as error:  # the other ranks are gone: close all the same
+            logger.warning("cpu_adam.OffloadOptimizer.close: %s", error)
+            self._new_window()
         self._rooms.overlap.close()
         self._rooms.link.close()
         release(self._rooms.model.params, self)

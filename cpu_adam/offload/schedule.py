@@ -6,6 +6,9 @@ A bucket is a key ``(group, bucket)``. Each event returns the keys to send now, 
 - ``graph_task_ended``: one autograd graph task ended (reentrant checkpointing nests them);
 - ``backward_ended``: the user's backward ended; ``all_sent`` follows once its buckets were sent.
 
+``owes_peers``: whether a backward that raised half-way must still send its remaining buckets
+and end like any other, because the other ranks wait in the same collectives (ZeRO).
+
 ``EarlyFlush`` (a single process) sends a bucket as soon as it is complete, and sends the oldest
 open bucket early when more than ``OPEN_BUCKETS`` are open (params that never arrive, or arrive in
 another order than their registration), so device memory for grads stays a few buckets. Params
@@ -36,6 +39,8 @@ OPEN_BUCKETS = 2
 
 
 class Schedule(Protocol):
+    owes_peers: bool
+
     def opening(self, key: Key, shape: torch.Size) -> list[Key]: ...
 
     def completed(self, key: Key) -> list[Key]: ...
@@ -52,6 +57,8 @@ class Schedule(Protocol):
 
 
 class EarlyFlush:
+    owes_peers = False
+
     def __init__(self) -> None:
         self._open: deque[Key] = deque()  # buckets with a staging area, oldest first
 
@@ -80,6 +87,8 @@ class EarlyFlush:
 
 
 class FixedOrder:
+    owes_peers = True
+
     def __init__(self, world: GroupWorld, layouts: list[FlatLayout | None]) -> None:
         self._world = world
         self._sequence = [

@@ -27,7 +27,7 @@ from .layout import FlatLayout
 from .link import Landing, Link
 from .world import World
 
-__all__ = ["ACCUMULATOR_DTYPE", "Finished", "Window"]
+__all__ = ["ACCUMULATOR_DTYPE", "Finished", "Window", "peer_failed"]
 
 ACCUMULATOR_DTYPE = torch.float32  # contributions of a bucket that lands more than once
 
@@ -49,6 +49,7 @@ class Window:
         self.epoch = 0  # counts resets: placeholders made before the last one are stale
         self.micro = 0  # user backward passes completed in this window
         self._in_backward = False
+        self.failed_rank: int | None = None  # a rank whose backward raised in this window
         self.got = [[False] * (len(layout.shapes) if layout else 0) for layout in layouts]
         self._landings = {key: 0 for key in link.slots}
         self._norms: list[tuple[int, Landing]] = []  # first landings' norms, on the device
@@ -91,25 +92,40 @@ class Window:
         else:
             acc.add_(grads)
 
+    @property
+    def in_backward(self) -> bool:
+        return self._in_backward
+
     def backward_started(self) -> None:
         self._in_backward = True
+
+    def abandoned(self) -> None:
+        """This rank's backward raised half-way: the window can no longer step, on any rank."""
+        self._in_backward = False
+        self.failed_rank = self._world.rank
 
     def backward_ended(self) -> None:
         self._in_backward = False
         self.micro += 1
 
     def check_finished(self) -> None:
-        """Raises when a backward of this window did not run to its end (it raised half-way)."""
+        """Raises when a backward of this window did not run to its end (it raised half-way), here or on a peer."""
+        if self.failed_rank is not None:
+            raise peer_failed(self.failed_rank, self._world.size)
         if self._in_backward:
             raise RuntimeError(
                 "cpu_adam.OffloadOptimizer: a backward pass did not finish (it raised, e.g. out of memory) and "
                 "left partial gradients; call optimizer.zero_grad() to drop them before the next step()"
             )
 
-    def share_got(self) -> list[tuple[int, int]]:
-        """Params that got a grad on another rank only (their bucket was reduced): they have one here too."""
+    def share_got(self, failed: bool = False) -> list[tuple[int, int]]:
+        """At the end of a backward, on every rank: params that got a grad on another rank only (their bucket
+        was reduced) have one here too. ``failed``: this rank's backward raised; every rank learns it."""
         keys = [(g, i) for g, got in enumerate(self.got) for i in range(len(got))]
-        shared = self._world.any_rank([self.got[g][i] for g, i in keys])
+        *shared, failed_rank = self._world.max_over_ranks(
+            [int(self.got[g][i]) for g, i in keys] + [self._world.rank + 1 if failed else 0]
+        )
+        self.failed_rank = failed_rank - 1 if failed_rank else None
         new = [key for key, any_rank in zip(keys, shared) if any_rank and not self.got[key[0]][key[1]]]
         for g, i in new:
             self.got[g][i] = True
@@ -196,6 +212,7 @@ class Window:
         self.epoch += 1
         self.micro = 0
         self._in_backward = False
+        self.failed_rank = None
         self._sq = None
         self._factors.clear()
         self._norms.clear()
@@ -205,3 +222,11 @@ class Window:
     @property
     def accumulator_bytes(self) -> int:
         return sum(0 if a is None else a.untyped_storage().nbytes() for a in self.accumulators)
+
+
+def peer_failed(rank: int, size: int) -> RuntimeError:
+    return RuntimeError(
+        f"cpu_adam.OffloadOptimizer: the backward of rank {rank} of {size} raised, so this step's grads are "
+        "incomplete and no rank steps on them. Call optimizer.zero_grad() on every rank (the failed rank "
+        "already must, to catch up) and go on with the next batch"
+    )

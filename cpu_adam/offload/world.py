@@ -52,9 +52,9 @@ class World:
         """Each host tensor summed over the ranks."""
         return tensors
 
-    def any_rank(self, flags: list[bool]) -> list[bool]:
-        """Each flag, true where it is true on any rank."""
-        return flags
+    def max_over_ranks(self, values: list[int]) -> list[int]:
+        """Each value's maximum over the ranks."""
+        return values
 
     def broadcast_from_rank0(self, t: Tensor, what: str = "rank 0's weights") -> None:
         """``t`` as rank 0 holds it, in place."""
@@ -145,10 +145,10 @@ class GroupWorld(World):
         self._call("all-reduce of the grad norm", dist.all_reduce, flat)
         return list(flat.cpu().split([t.numel() for t in tensors]))
 
-    def any_rank(self, flags: list[bool]) -> list[bool]:
-        t = torch.tensor([int(x) for x in flags], dtype=torch.int32, device=self.device)
+    def max_over_ranks(self, values: list[int]) -> list[int]:
+        t = torch.tensor(values, dtype=torch.int64, device=self.device)
         self._call("all-reduce of which params got grads", dist.all_reduce, t, op=dist.ReduceOp.MAX)
-        return [bool(x) for x in t.tolist()]
+        return t.tolist()
 
     def rank0_int(self, value: int, what: str) -> int:
         t = torch.tensor([value], dtype=torch.int64, device=self.device)
