@@ -306,3 +306,39 @@ def test_same_step_as_float_states_then_encoded(isa: str, offset: int) -> None:
     u_expected, u_scale = quant8.encode(v.sqrt(), root=True, random16=u_random)
     assert torch.equal(m8, m_expected[:n]) and torch.equal(u8, u_expected[:n])
     assert torch.equal(raw(scales8), raw(torch.stack([m_scale, u_scale])))
+
+
+@pytest.mark.parametrize("root", [False, True], ids=["exp_avg", "root"])
+def test_stochastic_rounding_switches_exactly_at_each_elements_point(isa: str, root: bool) -> None:
+    """With beta1 = beta2 = lr = 0 the new moments are g and |g| (from zero moments), encoded with
+    the element's 16 random bits r: it rounds up exactly when r + the fraction of the code step below
+    the value, in 2^-16 units, reaches 2^16. Values placed at that point round up; one 2^-16 step
+    below, down. A threshold off by one 2^-16 step (one time in 65,536) fails here."""
+    n, g = 256 * 16, torch.Generator().manual_seed(5)
+    m_random, u_random = code_bits(seed=0, step=5, counters=torch.arange(n))
+    random16 = (u_random if root else m_random).to(torch.float64)
+    mantissa = 4 if root else 3
+    table = quant8._magnitudes(mantissa)
+    lo = torch.randint(16 << mantissa - 1, (16 << mantissa) - 1, (n,), generator=g)  # normal codes below the top
+    step = table[lo + 1] - table[lo]
+    switch = torch.where(random16 > 0, 2.0**16 - random16, 2.0**16)  # r = 0 never rounds up from below
+    at = table[lo] + step * switch / 2.0**16
+    below = at - step / 2.0**16
+    sign = 1.0 if root else torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0)
+    for values, up in ((at, True), (below, False)):
+        grad = (values * sign).to(torch.float32)
+        grad[::256] = 1.5  # an exact code, each block's largest: scale 1
+        assert torch.equal(grad.double(), (values * sign).where(torch.arange(n) % 256 != 0, 1.5)), "exact in float32"
+        assert torch.equal(flushed(grad * grad).sqrt(), grad.abs()), "the root is |g| exactly"
+        zeros = torch.zeros(n, dtype=torch.uint8)
+        tensors = [torch.zeros(n), grad, zeros, zeros, torch.ones(2, quant8.blocks(n))]
+        _, m, u, scales = q8_step(isa, tensors, lr=0.0, beta1=0.0, beta2=0.0, bias_correction=False)
+        codes = (u if root else m & 0x7F).to(torch.int64)
+        assert (scales[int(root)] == 1).all()  # the other moment's may differ
+        expected = torch.where((random16 > 0) | torch.tensor(not up), lo + int(up), lo + 1)
+        expected[::256] = int(torch.searchsorted(table, torch.tensor(1.5, dtype=torch.float64)))
+        wrong = (codes != expected).nonzero().flatten()
+        where = "at" if up else "below"
+        assert wrong.numel() == 0, f"{where} the switch point: {wrong.numel()} codes wrong, e.g. {wrong[:5]}"
+        if not root:
+            assert torch.equal(m >= 0x80, grad < 0)
