@@ -1,4 +1,4 @@
-"""Shared helpers for the benchmarks: sizes, interleaved timing, medians, tables, peers.
+"""Shared helpers for the benchmarks: sizes, interleaved timing, medians, tables, progress, peers.
 
 The 2-core machines these run on change memory bandwidth from minute to minute, so a time
 measured alone says little. Every comparison here runs its contenders interleaved in one
@@ -7,14 +7,18 @@ process (one step of each per round, many rounds) and quotes medians of per-roun
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import platform
 import re
 import statistics
 import subprocess
+import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any, TextIO
 
 import torch
 
@@ -98,24 +102,143 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])
 
 
-def progress(total: int, desc: str):
-    """A tqdm bar when tqdm is installed (the [bench] extra), otherwise a no-op with the same calls."""
-    try:
-        from tqdm import tqdm
-    except ImportError:
+def clock_time(seconds: float) -> str:
+    """A duration as a clock shows it: '0:07', '12:34', '1:02:03'."""
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
-        class _Silent:
-            def update(self, n: int = 1) -> None:
-                pass
 
-            def set_description(self, text: str) -> None:
-                pass
+def phase_time(seconds: float) -> str:
+    """How long a phase took: tenths of a second under a minute, a clock's time above."""
+    return f"{seconds:.1f} s" if seconds < 59.95 else clock_time(seconds)
 
-            def close(self) -> None:
-                pass
 
-        return _Silent()
-    return tqdm(total=total, desc=desc, unit="round", leave=False, dynamic_ncols=True)
+def time_left(elapsed: float, done: float, total: float) -> float | None:
+    """Seconds until `total` units of work are done at the rate of the `done` units so far (None before any)."""
+    if done <= 0:
+        return None
+    return elapsed * max(total - done, 0.0) / done
+
+
+class Progress:
+    """Where a long run stands, on stderr (stdout stays the tables and JSON the scripts print).
+
+    The run is a number of phases, each with an amount of work in units the caller picks so that a
+    unit costs about the same in every phase (steps, rounds, or steps weighted by a known cost). A
+    line marks each phase's start and end with the time elapsed and the time left for the whole
+    run, at the rate of the work done so far. Within a phase, on a terminal with tqdm installed (the
+    [bench] extra), a bar counts the phase's steps; elsewhere (a CI log, a file) only the lines come.
+    """
+
+    def __init__(
+        self,
+        phases: int,
+        work: float,
+        title: str = "",
+        *,
+        quiet: bool = False,
+        stream: TextIO | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+        bars: bool | None = None,
+    ) -> None:
+        self.phases, self.total, self.title = phases, work, title
+        self.quiet = quiet
+        self.stream = sys.stderr if stream is None else stream
+        self.clock = clock
+        self.began = clock()
+        self.done = 0.0
+        self.started = 0
+        if bars is None:
+            bars = _has_tqdm() and getattr(self.stream, "isatty", lambda: False)()
+        self.bars = bars and not quiet
+
+    def elapsed(self) -> float:
+        return self.clock() - self.began
+
+    def time_left(self, done: float | None = None) -> float | None:
+        return time_left(self.elapsed(), self.done if done is None else done, self.total)
+
+    def _line(self, index: int, name: str, what: str) -> None:
+        if self.quiet:
+            return
+        left = self.time_left()
+        estimate = "time left not known yet" if left is None else f"~{clock_time(left)} left"
+        prefix = f"{self.title} " if self.title else ""
+        print(
+            f"{prefix}[{index}/{self.phases}] {name}: {what}; {clock_time(self.elapsed())} elapsed, {estimate}",
+            file=self.stream,
+            flush=True,
+        )
+
+    @contextmanager
+    def phase(self, name: str, work: float, steps: int | None = None, unit: str = "step") -> Iterator[Phase]:
+        """A phase of `work` units; call what it yields once per step (`steps` of them, default `work`)."""
+        self.started += 1
+        index = self.started
+        self._line(index, name, "started")
+        current = Phase(self, name, work, round(work) if steps is None else steps, unit)
+        try:
+            yield current
+        finally:
+            current.close()
+        self.done += work
+        note = f", {current.note}" if current.note else ""
+        self._line(index, name, f"done in {phase_time(self.clock() - current.began)}{note}")
+
+    def say(self, text: str) -> None:
+        """A line of its own: what is about to happen where no phase line would say it."""
+        if not self.quiet:
+            print(f"{self.title}: {text}" if self.title else text, file=self.stream, flush=True)
+
+    def finished(self, name: str, work: float, note: str = "") -> None:
+        """A phase that ran elsewhere (another process) and ended now: its end line only."""
+        self.started += 1
+        self.done += work
+        self._line(self.started, name, note or "done")
+
+
+class Phase:
+    """One phase of a Progress: called once per step, it moves the phase's bar (where there is one)."""
+
+    def __init__(self, progress: Progress, name: str, work: float, steps: int, unit: str) -> None:
+        self.progress, self.name, self.work, self.steps, self.unit = progress, name, work, steps, unit
+        self.began = progress.clock()
+        self.ticks = 0
+        self.note = ""  # appended to the phase's end line: a result worth seeing as it comes
+        self._bar: Any = None
+
+    def __call__(self, n: int = 1) -> None:
+        self.ticks += n
+        if not self.progress.bars:
+            return
+        if self._bar is None:
+            # Made at the first step, not at the start: what the first step prints (the kernels'
+            # first-use compile) then gets lines of its own instead of landing inside the bar.
+            from tqdm import tqdm
+
+            self._bar = tqdm(
+                total=self.steps,
+                desc=self.name,
+                unit=self.unit,
+                leave=False,
+                dynamic_ncols=True,
+                file=self.progress.stream,
+            )
+        partial = self.work * min(1.0, self.ticks / max(1, self.steps))
+        left = self.progress.time_left(self.progress.done + partial)
+        if left is not None:
+            self._bar.set_postfix_str(f"run ~{clock_time(left)} left", refresh=False)
+        self._bar.update(n)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+def _has_tqdm() -> bool:
+    return importlib.util.find_spec("tqdm") is not None
 
 
 def cpu_model() -> str:

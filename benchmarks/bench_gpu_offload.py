@@ -24,6 +24,9 @@ process: DeepSpeedCPUAdam on fp32 masters), cpu_adam_fp32 / cpu_adam_bf16 / cpu_
 (``OffloadOptimizer`` with fp32 master and fp32 states / fp32 master and bf16 states / bf16
 master with stochastic rounding and bf16 states). A contender that is not installed or runs out
 of memory gets a row that says so.
+
+The tables and each contender's raw result go to stdout; a line as each probe and contender
+starts and ends, with the time left, goes to stderr (``--quiet``: none).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib.util
 import json
 import os
 import socket
@@ -43,10 +47,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from _common import Progress
 from _gpt import GPT, lm_loss, param_groups
 
 LR, BETAS, WEIGHT_DECAY, MAX_NORM = 3e-4, (0.9, 0.95), 0.1, 1.0
 CONTENDERS = ("torch_adamw", "torchao", "deepspeed", "cpu_adam_fp32", "cpu_adam_bf16", "cpu_adam_sr")
+PEER_MODULES = {"torchao": "torchao", "deepspeed": "deepspeed"}
 # Host step configs of cpu_adam: (master, states) dtypes and the bytes one element moves
 # (master and both moments read and written, the bf16 grad read, the bf16 weight written).
 HOST_CONFIGS = {
@@ -502,6 +508,7 @@ def main() -> None:
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--plot", metavar="PATH")
     parser.add_argument("--allow-cpu", action="store_true", help="a smoke run of the CPU-capable contenders")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -511,35 +518,54 @@ def main() -> None:
 
     if not on_cuda() and not args.allow_cpu:
         raise SystemExit("bench_gpu_offload.py needs a CUDA GPU (bench_offload.py runs on the CPU)")
+    contenders = args.contenders.split(",")
+
+    # Work in contenders; a probe takes seconds where a contender takes a minute or more.
+    def work(name: str) -> float:
+        missing = name in PEER_MODULES and importlib.util.find_spec(PEER_MODULES[name]) is None
+        return 0.0 if missing else 1.0  # one that is not installed ends at once
+
+    probe_work = 0.1
+    probe_phases = 2 if on_cuda() else 1
+    total = probe_phases * probe_work + sum(map(work, contenders))
+    progress = Progress(probe_phases + len(contenders), total, "bench_gpu_offload", quiet=args.quiet)
+    pcie = {"down_GBps": 0.0, "up_GBps": 0.0}
+    if on_cuda():
+        with progress.phase("PCIe probe", probe_work, 0):
+            pcie = pcie_probe()
+    with progress.phase(f"CPU bandwidth probe, {args.probe_numel:,} elements", probe_work, 0):
+        cpu_gbps = cpu_probe(args.probe_numel)
     probes = {
         "device": torch.cuda.get_device_name() if on_cuda() else "cpu",
         "cpus": os.cpu_count(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
-        "pcie": pcie_probe() if on_cuda() else {"down_GBps": 0.0, "up_GBps": 0.0},
-        "cpu_GBps": cpu_probe(args.probe_numel),
+        "pcie": pcie,
+        "cpu_GBps": cpu_gbps,
     }
     gc.collect()
     print(report([], probes), flush=True)
     results = []
     passthrough = [a for a in sys.argv[1:] if not a.startswith(("--json", "--plot", "--contenders"))]
     passthrough = [a for a in passthrough if a not in (args.json, args.plot, args.contenders)]
-    for name in args.contenders.split(","):
+    for name in contenders:
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
             out = f.name
         cmd = [sys.executable, __file__, *passthrough, "--worker", name, "--out", out]
         t = time.perf_counter()
-        try:
-            proc = subprocess.run(cmd, timeout=args.timeout, capture_output=True, text=True)
-            with open(out) as f:
-                result = json.load(f)
-        except subprocess.TimeoutExpired:
-            result = {"contender": name, "error": f"timed out after {args.timeout} s"}
-        except (OSError, json.JSONDecodeError):
-            tail = (proc.stderr or "").strip().splitlines()[-3:]
-            result = {"contender": name, "error": f"failed (exit {proc.returncode}): {' | '.join(tail)}"[:400]}
-        with contextlib.suppress(OSError):
-            os.unlink(out)
+        with progress.phase(f"{name} (at most {args.timeout} s)", work(name), 0) as phase:
+            try:
+                proc = subprocess.run(cmd, timeout=args.timeout, capture_output=True, text=True)
+                with open(out) as f:
+                    result = json.load(f)
+            except subprocess.TimeoutExpired:
+                result = {"contender": name, "error": f"timed out after {args.timeout} s"}
+            except (OSError, json.JSONDecodeError):
+                tail = (proc.stderr or "").strip().splitlines()[-3:]
+                result = {"contender": name, "error": f"failed (exit {proc.returncode}): {' | '.join(tail)}"[:400]}
+            with contextlib.suppress(OSError):
+                os.unlink(out)
+            phase.note = result.get("error") or f"{result['tokens_per_s']:,.0f} tokens/s"
         result["wall_s"] = time.perf_counter() - t
         results.append(result)
         print(f"{name}: {json.dumps(result)}", flush=True)

@@ -4,6 +4,9 @@ offload optimizer (master weights, moments and its pinned bf16 buffer, on the CP
     python benchmarks/bench_memory.py                 # 2^24 params per case
     python benchmarks/bench_memory.py --size 2^26 --json memory.json
 
+The tables go to stdout; a line as each case starts and ends, with the time left, goes to
+stderr (``--quiet``: none).
+
 Each case runs in a fresh child process, so the allocator's leftovers and the high-water mark
 of one case never count towards another. Measured, not computed from the dtypes:
 - state: the bytes of the tensors the optimizer put in ``optimizer.state`` (storages counted once);
@@ -32,7 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # An installed cpu_adam wins; a source checkout that was not installed works too.
 sys.path.append(str(Path(__file__).resolve().parent.parent))
-from _common import deepspeed_adam, format_table, parse_size, size_label
+from _common import Progress, deepspeed_adam, format_table, parse_size, size_label
 
 CPU_ADAM, TORCH_FOREACH, TORCH_FUSED, DEEPSPEED = (
     "CPUAdam",
@@ -176,6 +179,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--size", default="24", help="params: log2 ('24', '2^24') or a count (default 2^24)")
     parser.add_argument("--json", metavar="PATH", help="write the figures here")
     parser.add_argument("--no-deepspeed", action="store_true", help="leave DeepSpeedCPUAdam out even if installed")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     parser.add_argument("--child", nargs=3, metavar=("IMPL", "PARAMS", "STATES"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     n = parse_size(args.size)
@@ -187,17 +191,23 @@ def main(argv: list[str] | None = None) -> None:
     ds_cls, ds_status = deepspeed_adam()
     if args.no_deepspeed:
         ds_status = "skipped"
+
+    def why_not(impl: str, param: str, state: str) -> str:
+        if impl == DEEPSPEED and (ds_cls is None or args.no_deepspeed):
+            return ds_status
+        return "" if supported(impl, param, state) else "not supported"
+
+    children = sum(not why_not(impl, *case) for case in CASES for impl in IMPLEMENTATIONS) + len(OFFLOAD_CASES)
+    progress = Progress(children, children, "bench_memory", quiet=args.quiet)
     rows, results = [], []
     for param, state in CASES:
         for impl in IMPLEMENTATIONS:
             label = [f"{param}/{state}", impl]
-            if impl == DEEPSPEED and (ds_cls is None or args.no_deepspeed):
-                rows.append([*label, ds_status, "", "", "", ""])
+            if reason := why_not(impl, param, state):
+                rows.append([*label, reason, "", "", "", ""])
                 continue
-            if not supported(impl, param, state):
-                rows.append([*label, "not supported", "", "", "", ""])
-                continue
-            r = run_child(impl, param, state, n)
+            with progress.phase(f"{impl}, {param}/{state}", 1, 0):
+                r = run_child(impl, param, state, n)
             results.append(r)
             total = r["param_grad_bytes_per_param"] + r["state_bytes_per_param"]
             rows.append(
@@ -216,7 +226,8 @@ def main(argv: list[str] | None = None) -> None:
 
     offload_rows = []
     for master, state, stochastic in OFFLOAD_CASES:
-        r = run_child(OFFLOAD, master, state, n)
+        with progress.phase(f"{OFFLOAD}, {master}{' SR' if stochastic else ''}/{state}", 1, 0):
+            r = run_child(OFFLOAD, master, state, n)
         results.append(r)
         offload_rows.append(
             [

@@ -11,6 +11,9 @@ optimizer's overhead.
     python benchmarks/bench_offload.py --json out.json
     python benchmarks/bench_offload.py --nproc 2       # ZeRO: 2 ranks (gloo on CPU, nccl on GPUs)
 
+The tables go to stdout; a line as the warmup and the timed steps start and end, with the time
+left, goes to stderr (``--quiet``: none).
+
 With --nproc N the N ranks train one data-parallel model (--batch is per rank), each holding
 1/N of the host state; every rank reports its host bytes per param and step time.
 """
@@ -29,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from _common import Progress
 from _gpt import GPT
 
 from cpu_adam.offload import OffloadOptimizer
@@ -121,47 +125,53 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         k: [] for k in ("fwd_bwd", "grads_down", "cpu_step", "weights_up", "step", "bare")
     }
     device_peak = 0
-    for i in range(args.warmup + args.steps):
-        tokens = torch.randint(args.vocab, (args.batch, args.seq), generator=gen).to(device)
-        sync(device)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        t0 = time.perf_counter()
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.float().reshape(-1, args.vocab), tokens[:, 1:].reshape(-1))
-        loss.backward()
-        if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()  # compute done; copies down may still run
-            device_peak = max(device_peak, torch.cuda.max_memory_allocated(device))
-        t1 = time.perf_counter()
-        scale = 1.0
-        if real_grads:  # and the same clipping scale: how small the moments get depends on it
-            for g, buffers in zip(shards, bare):
-                buffers[1].copy_(opt._rooms.link.buffers[g].tensor)
-            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(b[1].float()) for b in bare]))
-            scale = min(1.0, 1.0 / (float(norm) + 1e-6))
-            t1 = time.perf_counter()
-        # Whichever runs first after backward pays for its aftermath: alternate the order.
-        if i % 2:
-            tb = time.perf_counter()
-            bare_step(i + 1, scale)
-            bare_s = time.perf_counter() - tb
-            t1 += bare_s
-        opt.step()
-        t2 = time.perf_counter()
-        sync(device)  # the part of the upload that step() left running
-        t3 = time.perf_counter()
-        if not i % 2:
-            bare_step(i + 1, scale)
-            bare_s = time.perf_counter() - t3
-        if i >= args.warmup:
-            timings = opt.step_timings
-            phases["fwd_bwd"].append(t1 - t0)
-            phases["grads_down"].append(timings["grads_wait_s"])
-            phases["cpu_step"].append(timings["norm_s"] + timings["adam_s"])
-            phases["weights_up"].append(t3 - t2)
-            phases["step"].append(t2 - t1)
-            phases["bare"].append(bare_s)
+    # Rank 0 alone reports: the ranks step together.
+    progress = Progress(2, args.warmup + args.steps, "bench_offload", quiet=args.quiet or opt.rank != 0)
+    timed = range(args.warmup, args.warmup + args.steps)
+    for label, steps in (("warmup", range(args.warmup)), ("timed", timed)):
+        with progress.phase(f"{label}, {len(steps)} step{'s' * (len(steps) != 1)}", len(steps)) as tick:
+            for i in steps:
+                tokens = torch.randint(args.vocab, (args.batch, args.seq), generator=gen).to(device)
+                sync(device)
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
+                t0 = time.perf_counter()
+                logits = model(tokens[:, :-1])
+                loss = F.cross_entropy(logits.float().reshape(-1, args.vocab), tokens[:, 1:].reshape(-1))
+                loss.backward()
+                if device.type == "cuda":
+                    torch.cuda.current_stream(device).synchronize()  # compute done; copies down may still run
+                    device_peak = max(device_peak, torch.cuda.max_memory_allocated(device))
+                t1 = time.perf_counter()
+                scale = 1.0
+                if real_grads:  # and the same clipping scale: how small the moments get depends on it
+                    for g, buffers in zip(shards, bare):
+                        buffers[1].copy_(opt._rooms.link.buffers[g].tensor)
+                    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(b[1].float()) for b in bare]))
+                    scale = min(1.0, 1.0 / (float(norm) + 1e-6))
+                    t1 = time.perf_counter()
+                # Whichever runs first after backward pays for its aftermath: alternate the order.
+                if i % 2:
+                    tb = time.perf_counter()
+                    bare_step(i + 1, scale)
+                    bare_s = time.perf_counter() - tb
+                    t1 += bare_s
+                opt.step()
+                t2 = time.perf_counter()
+                sync(device)  # the part of the upload that step() left running
+                t3 = time.perf_counter()
+                if not i % 2:
+                    bare_step(i + 1, scale)
+                    bare_s = time.perf_counter() - t3
+                if i >= args.warmup:
+                    timings = opt.step_timings
+                    phases["fwd_bwd"].append(t1 - t0)
+                    phases["grads_down"].append(timings["grads_wait_s"])
+                    phases["cpu_step"].append(timings["norm_s"] + timings["adam_s"])
+                    phases["weights_up"].append(t3 - t2)
+                    phases["step"].append(t2 - t1)
+                    phases["bare"].append(bare_s)
+                tick()
     median = {k: statistics.median(v) for k, v in phases.items()}
     overhead = median["step"] / median["bare"] - 1.0
     result = {
@@ -232,6 +242,7 @@ def main() -> None:
     parser.add_argument("--max-overhead", type=float, default=0.15, help="on the CPU: fail above this step overhead")
     parser.add_argument("--json", metavar="PATH", help="also write the results here")
     parser.add_argument("--nproc", type=int, default=1, help="ranks (ZeRO over torch.distributed)")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     args = parser.parse_args()
     if args.nproc > 1:
         results = run_ranks(args)

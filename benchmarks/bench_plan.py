@@ -21,21 +21,23 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.append(str(Path(__file__).resolve().parent.parent))
 import bench_step
-from _common import format_table, machine, parse_size, size_label
+from _common import Progress, format_table, machine, parse_size, size_label
 
 from cpu_adam import ops
 from cpu_adam.plan import plan
 from cpu_adam.plan.probe import measure_bandwidth
 
+STATES = ["fp32", "bf16", "8bit"]
 
-def compare(n: int, rounds: int, warmup: int, probe_seconds: float) -> list[list[str]]:
+
+def compare(n: int, rounds: int, warmup: int, probe_seconds: float, progress: Progress) -> list[list[str]]:
     bandwidth = measure_bandwidth(probe_seconds)
     estimates = {
         (r.master_dtype, r.state_precision): r.step_seconds for r in plan(n, "1TiB", "1TiB", bandwidth=bandwidth)
     }
     peers = bench_step.PEERS + bench_step.PEERS8
     results = bench_step.run(
-        n, torch.get_num_threads(), rounds, warmup, ["step"], ["fp32", "bf16", "8bit"], dict.fromkeys(peers, False), {}
+        n, torch.get_num_threads(), rounds, warmup, ["step"], STATES, dict.fromkeys(peers, False), {}, progress
     )
     # The best probe variant's row is named "probe + out=grad [variant]".
     measured = {(r["config"], r["implementation"].split(" [")[0]): r["ms_per_step"] / 1e3 for r in results}
@@ -57,6 +59,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds per configuration (default 5)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first (default 1)")
     parser.add_argument("--probe-seconds", type=float, default=0.5, help="the planner's probe (its default 0.5)")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     args = parser.parse_args()
     # The offload step's configurations only: bf16 grads, as they come down from the device.
     bench_step.STEP_CONFIGS = [c for c in bench_step.STEP_CONFIGS if c.grad == bench_step.BF16]
@@ -64,11 +67,11 @@ def main() -> None:
     print(f"# {info['cpu']}, {info['cpus']} cpus, {info['torch_threads']} threads, cpu_adam ISA {ops.active_isa()}")
     headers = ["params", "states", "master", "plan GB/s", "estimate ms", "probe ms", "measured ms"]
     headers += ["probe / estimate", "measured / estimate"]
-    body = [
-        row
-        for size in args.sizes.split(",")
-        for row in compare(parse_size(size), args.rounds, args.warmup, args.probe_seconds)
-    ]
+    sizes = [parse_size(size) for size in args.sizes.split(",")]
+    groups = len(bench_step.plan_jobs(sizes[0], ["step"], STATES, {}, {}))
+    work = groups * (args.rounds + args.warmup) * sum(sizes)
+    progress = Progress(groups * len(sizes), work, "bench_plan", quiet=args.quiet)
+    body = [row for n in sizes for row in compare(n, args.rounds, args.warmup, args.probe_seconds, progress)]
     print(format_table(headers, body))
 
 

@@ -21,6 +21,9 @@ step that a GPU run would still see after backward.
     python benchmarks/bench_replay.py                    # ~1 minute on 2 cores
     python benchmarks/bench_replay.py --no-copies        # the CPU as the device itself: no copies
     python benchmarks/bench_replay.py --json replay.json
+
+The table goes to stdout; a line per phase (each config's serial probe, then each overlap mode)
+with the time left goes to stderr (``--quiet``: none).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import time
 from typing import Any
 
 import torch
+from _common import Phase, Progress
 
 from cpu_adam import OffloadOptimizer
 from cpu_adam.offload import rooms as offload_rooms
@@ -74,7 +78,9 @@ class _Layer(torch.autograd.Function):
         return ctx.pool.pop(), None, None
 
 
-def _timed_steps(args: argparse.Namespace, options: dict, overlap: str, timeline: tuple[float, float]) -> dict:
+def _timed_steps(
+    args: argparse.Namespace, options: dict, overlap: str, timeline: tuple[float, float], tick: Phase
+) -> dict:
     forward_s, backward_s = timeline
     offload_rooms.DeviceOps = CopyingDevice if args.copies else DeviceOps
     try:
@@ -106,6 +112,7 @@ def _timed_steps(args: argparse.Namespace, options: dict, overlap: str, timeline
         if i >= args.warmup:
             steps.append((t2 - t0, t1 - t0, t2 - t1, opt.step_timings["uploads_s"]))
             previewed += opt.last_step_overlapped
+        tick()
     opt.close()
     step = statistics.median(s for s, *_ in steps)
     gpu = forward_s + backward_s
@@ -121,9 +128,9 @@ def _timed_steps(args: argparse.Namespace, options: dict, overlap: str, timeline
     }
 
 
-def _serial_cpu_step_s(args: argparse.Namespace, options: dict) -> float:
+def _serial_cpu_step_s(args: argparse.Namespace, options: dict, tick: Phase) -> float:
     """The serial step alone (no GPU time): what the timeline is scaled to."""
-    probe = _timed_steps(args, options, "none", (0.0, 0.0))
+    probe = _timed_steps(args, options, "none", (0.0, 0.0), tick)
     return probe["step_ms"] / 1e3
 
 
@@ -143,20 +150,28 @@ def main() -> None:
         help="the CPU as the device itself: no copies down or up (a GPU's copy engines take no host cores)",
     )
     parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     args = parser.parse_args()
     rows = []
+    configs = args.configs.split(",")
+    steps = args.warmup + args.steps
+    # Work in serial CPU steps: a replayed step adds the simulated GPU's time, 1 / cpu_share of one.
+    replayed = 1 + 1 / args.cpu_share
+    progress = Progress(3 * len(configs), len(configs) * steps * (1 + 2 * replayed), "bench_replay", quiet=args.quiet)
     print(f"{args.params / 1e6:.1f}M params in {args.layers} layers, {torch.get_num_threads()} threads")
     print(
         f"{'config':<30}{'overlap':<10}{'step ms':>9}{'gpu ms':>9}{'exposed ms':>12}{'step() ms':>11}"
         f"{'less uploads':>14}{'previewed':>11}"
     )
-    for name in args.configs.split(","):
+    for name in configs:
         options = CONFIGS[name]
-        serial = _serial_cpu_step_s(args, options)
+        with progress.phase(f"{name}, serial probe", steps) as tick:
+            serial = _serial_cpu_step_s(args, options, tick)
         gpu = serial / args.cpu_share
         timeline = (gpu * FORWARD_MS / (FORWARD_MS + BACKWARD_MS), gpu * BACKWARD_MS / (FORWARD_MS + BACKWARD_MS))
         for overlap in ("none", "backward"):
-            row = {"config": name, "overlap": overlap, **_timed_steps(args, options, overlap, timeline)}
+            with progress.phase(f"{name}, overlap {overlap}", steps * replayed, steps) as tick:
+                row = {"config": name, "overlap": overlap, **_timed_steps(args, options, overlap, timeline, tick)}
             rows.append(row)
             print(
                 f"{name:<30}{overlap:<10}{row['step_ms']:>9.1f}{row['gpu_ms']:>9.1f}{row['exposed_ms']:>12.1f}"

@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.append(str(Path(__file__).resolve().parent.parent))
 from _common import (
     Contender,
+    Progress,
     Step,
     deepspeed_adam,
     format_table,
@@ -43,7 +44,6 @@ from _common import (
     machine,
     parse_size,
     parse_threads,
-    progress,
     ratio,
     size_label,
     spread,
@@ -436,10 +436,10 @@ def peer_status(skip_deepspeed: bool, with_8bit: bool) -> tuple[dict[str, bool],
     return on, status
 
 
-def run(
-    n: int, threads: int, rounds: int, warmup: int, sections: list[str], states: list[str], peers_on, peers_status
-) -> list[dict]:
-    torch.set_num_threads(threads)
+def plan_jobs(
+    n: int, sections: list[str], states: list[str], peers_on, peers_status
+) -> list[tuple[str, str, Callable]]:
+    """(section, config label, what builds its group), in the order they run."""
     jobs: list[tuple[str, str, Callable]] = []
     if "step" in sections:
         configs = [c for c in STEP_CONFIGS if SHORT[c.state] in states]
@@ -449,17 +449,36 @@ def run(
             ("offload", f"{SHORT[m]}/{SHORT[s]}", lambda m=m, s=s: offload_group(m, s, n, peers_on))
             for m, s in OFFLOAD_CONFIGS
         ]
-    bar = progress(len(jobs) * (rounds + warmup), f"{threads} thread(s)")
+    return jobs
+
+
+def run(
+    n: int,
+    threads: int,
+    rounds: int,
+    warmup: int,
+    sections: list[str],
+    states: list[str],
+    peers_on,
+    peers_status,
+    progress: Progress | None = None,
+) -> list[dict]:
+    """Every group's rows; a phase of `progress` per group, of (warmup + rounds) * n units of work."""
+    torch.set_num_threads(threads)
+    jobs = plan_jobs(n, sections, states, peers_on, peers_status)
+    if progress is None:
+        progress = Progress(len(jobs), len(jobs) * (rounds + warmup) * n, "bench_step")
     results: list[dict] = []
     for section, label, build in jobs:
-        bar.set_description(f"{threads} thread(s), {section} {label}")
-        group = build()
-        interleave([c for c, _ in group], rounds, warmup, bar.update)
-        make_rows = step_rows if section == "step" else offload_rows
-        results += make_rows(label, group, n, threads)
-        del group
-        gc.collect()  # the next config's buffers should not stack on this one's
-    bar.close()
+        with progress.phase(
+            f"{size_label(n)}, {threads} thread(s), {section} {label}", (rounds + warmup) * n, rounds + warmup, "round"
+        ) as tick:
+            group = build()
+            interleave([c for c, _ in group], rounds, warmup, tick)
+            make_rows = step_rows if section == "step" else offload_rows
+            results += make_rows(label, group, n, threads)
+            del group
+            gc.collect()  # the next config's buffers should not stack on this one's
     return results
 
 
@@ -539,6 +558,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-8bit-peers", action="store_true", help="leave bitsandbytes' and torchao's AdamW8bit out")
     parser.add_argument("--json", metavar="PATH", help="write every figure (and the raw step times) here")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG of ns/param per config and implementation")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     args = parser.parse_args(argv)
 
     n = parse_size(args.size)
@@ -551,9 +571,12 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# {info['cpu']}, {info['cpus']} cpus, torch {info['torch']}, cpu_adam ISA {info['isa']}")
     print(f"# {size_label(n)} params, {args.rounds} interleaved rounds after {args.warmup} warmup")
 
+    states = args.states.split(",")
+    groups = len(thread_counts) * len(plan_jobs(n, sections, states, peers_on, peers_status))
+    progress = Progress(groups, groups * (args.rounds + args.warmup) * n, "bench_step", quiet=args.quiet)
     results: list[dict] = []
     for threads in thread_counts:
-        rows = run(n, threads, args.rounds, args.warmup, sections, args.states.split(","), peers_on, peers_status)
+        rows = run(n, threads, args.rounds, args.warmup, sections, states, peers_on, peers_status, progress)
         results += rows
         if "step" in sections:
             print(f"\n## Adam step, {threads} thread(s)\n")

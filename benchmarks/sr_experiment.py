@@ -12,14 +12,19 @@ them; stochastic rounding keeps them on average. Writes the smoothed loss curves
 
     python benchmarks/sr_experiment.py                  # ~1 minute on 2 busy CPU cores
     python benchmarks/sr_experiment.py --steps 6000 --lr 3e-4 --json sr.json
+
+Each run's result goes to stdout as it ends; a line as each run starts and ends, with the time
+left, goes to stderr (``--quiet``: none).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -27,6 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import Progress
 
 from cpu_adam import CPUAdam
 
@@ -76,7 +84,13 @@ class Result:
 
 
 def train(
-    name: str, dtype: torch.dtype, stochastic: bool, task: Task, init: dict[str, Tensor], args: argparse.Namespace
+    name: str,
+    dtype: torch.dtype,
+    stochastic: bool,
+    task: Task,
+    init: dict[str, Tensor],
+    args: argparse.Namespace,
+    tick: Callable[[], None] = lambda: None,
 ) -> Result:
     student = mlp()  # only its structure is used: functional_call swaps our tensors in
     params = {k: v.to(dtype).clone().requires_grad_() for k, v in init.items()}
@@ -105,6 +119,7 @@ def train(
                 moved[k] |= v != start[k]
         if step == 5:
             unmoved_after_5 = unmoved()
+        tick()
     seconds = time.perf_counter() - began
     with torch.no_grad():
         final = F.mse_loss(forward(task.eval_x), task.eval_y).item()
@@ -161,6 +176,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="teacher, init, data order and rounding stream")
     parser.add_argument("--out", default="benchmarks/sr_loss.png")
     parser.add_argument("--json", help="also write config, results and per-step losses here")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     args = parser.parse_args()
 
     # 256-wide matmuls are too small to gain from a second thread, and on shared cores the sync costs 5x.
@@ -170,8 +186,10 @@ def main() -> None:
     task = Task(args.seed)
     init = {k: v.detach() for k, v in mlp().named_parameters()}
     results = []
+    progress = Progress(len(RUNS), len(RUNS) * args.steps, "sr_experiment", quiet=args.quiet)
     for name, dtype, stochastic in RUNS:
-        r = train(name, dtype, stochastic, task, init, args)
+        with progress.phase(name, args.steps) as tick:
+            r = train(name, dtype, stochastic, task, init, args, tick)
         results.append(r)
         print(
             f"{r.name:13s} final loss {r.final_loss:.4f}   unmoved after 5 steps {r.unmoved_after_5:6.1%}"

@@ -17,6 +17,10 @@ seeds change init, data order (and the teacher); every row of a seed shares them
     python benchmarks/states_quality.py --seeds 3       # the README's figures: 25 min at load 5-6
     python benchmarks/states_quality.py --quick         # smoke run: 30 steps, ~20 s
     python benchmarks/states_quality.py --tasks mlp --seeds 5 --json q.json --plot q.png
+
+The table and the verdicts go to stdout; each run's end (its final loss) and the time left for
+the whole benchmark go to stderr, with the run's start and a bar of its steps when it runs in
+this process (``--jobs 1``; ``--quiet``: nothing on stderr).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import sysconfig
 import time
 import warnings
 from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
@@ -45,7 +49,7 @@ from torch import Tensor, nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # An installed cpu_adam wins; a source checkout that was not installed works too.
 sys.path.append(str(Path(__file__).resolve().parent.parent))
-from _common import format_table, machine
+from _common import Progress, format_table, machine, phase_time
 from _gpt import GPT, lm_loss, param_groups
 from sr_experiment import Task, mlp
 
@@ -65,6 +69,10 @@ STYLES = {"fp32": ("black", "-"), "bf16": ("tab:blue", "--"), "8bit": ("tab:red"
 REFERENCE = "fp32"
 CRITERION = 0.01  # the issue's bar: 8-bit states within 1% of fp32 states
 PEER_MODULES = {"bnb": "bitsandbytes", "torchao": "torchao"}
+# Time of a step relative to an mlp step with CPUAdam (the README's "wall s" column), so that the
+# time left weighs the runs still to come by what they cost.
+TASK_COST = {"lm": 7.0, "mlp": 1.0}
+ROW_COST = {"bnb": 1.5, "torchao": 3.0}
 
 
 @dataclass(frozen=True)
@@ -252,7 +260,9 @@ class Run:
 CLIP_NORM = 1.0
 
 
-def train(task_name: str, row: str, seed: int, cfg: TaskConfig, threads: int) -> Run:
+def train(
+    task_name: str, row: str, seed: int, cfg: TaskConfig, threads: int, tick: Callable[[], None] = lambda: None
+) -> Run:
     torch.set_num_threads(threads)
     warnings.filterwarnings("ignore", message="cpu_adam: the optimizer step runs on 1 thread")
     run = Run(task_name, row, seed)
@@ -291,6 +301,7 @@ def train(task_name: str, row: str, seed: int, cfg: TaskConfig, threads: int) ->
             run.eval_steps.append(step)
             run.evals.append(task.evaluate(model))
             in_evals += time.perf_counter() - start
+        tick()
     run.seconds = time.perf_counter() - began - in_evals
     run.first_step_s = step_times[0]
     run.step_ms = 1000 * statistics.median(step_times[1:] or step_times)
@@ -490,6 +501,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run")
     parser.add_argument("--plot", default="benchmarks/states_quality.png")
     parser.add_argument("--json", help="also write config, summaries and every run's curves here")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     args = parser.parse_args()
 
     tasks = args.tasks.split(",")
@@ -522,23 +534,35 @@ def main() -> None:
     # Each run uses `threads` torch threads; inductor (torchao's compile) would otherwise start a worker per core.
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     began = time.perf_counter()
-    finished = 0
 
-    def report(run: Run) -> None:
-        nonlocal finished
-        finished += 1
-        runs.append(run)
-        done = f"{run.final:.4f} in {run.seconds:.0f} s" if not run.error else run.error
-        print(f"[{finished:2d}/{len(jobs)}] {run.task:3s} {ROWS[run.row]:24s} seed {run.seed}: {done}", flush=True)
+    def work(task: str, row: str) -> float:
+        if row in PEER_MODULES and importlib.util.find_spec(PEER_MODULES[row]) is None:
+            return 0.0  # ends at once with "not installed"
+        return configs[task].steps * TASK_COST[task] * ROW_COST.get(row, 1.0)
 
+    def name(task: str, row: str, seed: int) -> str:
+        return f"{task} {ROWS[row]} seed {seed}"
+
+    def outcome(run: Run) -> str:
+        return run.error or f"final loss {run.final:.4f}, training {phase_time(run.seconds)}"
+
+    progress = Progress(len(jobs), sum(work(t, r) for t, r, _ in jobs), "states_quality", quiet=args.quiet)
+    done: dict[int, Run] = {}
     if args.jobs > 1:
+        progress.say(f"{len(jobs)} runs in {args.jobs} processes: a line as each ends")
         with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
-            futures = [pool.submit(train, t, r, s, configs[t], args.threads) for t, r, s in jobs]
-            for future in futures:
-                report(future.result())
+            futures = {pool.submit(train, t, r, s, configs[t], args.threads): i for i, (t, r, s) in enumerate(jobs)}
+            for future in as_completed(futures):
+                i = futures[future]
+                done[i] = future.result()
+                t, r, s = jobs[i]
+                progress.finished(name(t, r, s), work(t, r), outcome(done[i]))
     else:
-        for t, r, s in jobs:
-            report(train(t, r, s, configs[t], args.threads))
+        for i, (t, r, s) in enumerate(jobs):
+            with progress.phase(name(t, r, s), work(t, r), configs[t].steps) as phase:
+                done[i] = train(t, r, s, configs[t], args.threads, phase)
+                phase.note = outcome(done[i])
+    runs += [done[i] for i in range(len(jobs))]
     elapsed = time.perf_counter() - began
 
     order = {row: i for i, row in enumerate(ROWS)}
