@@ -5,10 +5,10 @@ during the write leaves neither the old checkpoint nor a loadable new one. Here 
 to a temporary file beside ``path``, reach the disk (fsync), and only then replace ``path`` in
 one rename, itself made durable by syncing the directory.
 
-Loading checks the file first: a checkpoint is a zip archive with a CRC-32 of every record
-(``_zip_checksums.py``), which ``torch.load`` does not check. ``load_checkpoint`` checks them
-(one more read of the file, at several GB/s), so a damaged, truncated or foreign file is named
-as such instead of loading changed numbers or failing with an error that does not say why.
+Loading checks the file first: a checkpoint is a zip archive with a CRC-32 of every record,
+which ``torch.load`` does not check. ``load_checkpoint`` checks them (``_zip_check.py``: one
+more read of the file, at several GB/s a thread), so a damaged, truncated or foreign file is
+named as such instead of loading changed numbers or failing with an error that does not say why.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from ._zip_checksums import crcs_by_zlib, fill_crcs
+from ._zip_check import checksums_on, first_changed_record
 
 __all__ = ["DamagedCheckpointError", "load_checkpoint", "save_checkpoint"]
 
@@ -45,7 +45,7 @@ def save_checkpoint(obj: Any, path: str | os.PathLike[str]) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         os.fchmod(fd, mode)
-        with os.fdopen(fd, "w+b") as f:
+        with os.fdopen(fd, "wb") as f:
             _write(obj, f, path)
         os.replace(tmp, path)
     except BaseException:
@@ -58,10 +58,8 @@ def save_checkpoint(obj: Any, path: str | os.PathLike[str]) -> None:
 
 def _write(obj: Any, f: BinaryIO, path: Path) -> None:
     try:
-        with crcs_by_zlib() as ours:
+        with checksums_on():
             torch.save(obj, f)
-        if ours:
-            fill_crcs(f)
         f.flush()
         os.fsync(f.fileno())
     except RuntimeError as error:
@@ -130,7 +128,7 @@ def _check_whole(path: Path) -> None:
                 raise DamagedCheckpointError(f"{path} is a zip archive but not a checkpoint: it holds no data.pkl")
             if all(r.CRC == 0 for r in records):
                 return  # saved with torch's checksums turned off: nothing to check against
-            bad = archive.testzip()
+            bad = first_changed_record(path, records)
     except (zipfile.BadZipFile, EOFError, OSError, ValueError) as error:
         if isinstance(error, FileNotFoundError | PermissionError):
             raise
