@@ -12,6 +12,10 @@ running any more. A backward that raised never runs its callback: the window the
 close on its partial grads until ``zero_grad()`` drops them. With ZeRO the other ranks wait in
 the collectives of that backward: ``zero_grad()`` first makes them (``abandon``), saying that this
 rank failed, and every rank's backward then raises at its end instead of stepping.
+
+The hooks and the callback run eagerly under ``torch.compile``: a backward called from a compiled
+function (a graph break) runs them in that function's thread, where torch.compile would otherwise
+trace them, a graph per param, guarded on the optimizer's bookkeeping.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from . import refusals
 from .device import DeviceOps
 from .layout import FlatLayout
 from .link import Link
@@ -70,6 +75,7 @@ class Hooks:
         grad = param.grad
         if grad is None:
             return
+        refusals.check_not_compiled_autograd()
         if self._dev.is_capturing():
             raise RuntimeError(
                 "cpu_adam.OffloadOptimizer: backward is being captured in a CUDA graph, but the optimizer's grad "
@@ -135,6 +141,7 @@ class Hooks:
         self._running.add(task)
         torch.autograd.Variable._execution_engine.queue_callback(lambda: self._end_graph_task(task))
 
+    @torch.compiler.disable
     def _end_graph_task(self, task: int) -> None:
         # A user backward ends when no graph task that packed grads is running any more: the
         # nested ones of reentrant checkpointing end inside it, whichever started first.
@@ -174,6 +181,7 @@ class Hooks:
 def _make_clearer(ref: weakref.ref[Tensor]) -> Callable[[Tensor], None]:
     # Before a grad is accumulated into the param: the placeholder left by the last backward
     # goes, so the new grad is stored as it is rather than added to it.
+    @torch.compiler.disable
     def clear(grad: Tensor) -> None:
         param = ref()
         if param is not None and isinstance(param.grad, OffloadedGrad):
@@ -185,6 +193,7 @@ def _make_clearer(ref: weakref.ref[Tensor]) -> Callable[[Tensor], None]:
 def _make_hook(ref: weakref.ref[Hooks], g: int, i: int) -> Callable[[Tensor], None]:
     # A weak reference: the hooks live as long as the params, which must not keep the
     # optimizer's host buffers alive.
+    @torch.compiler.disable
     def hook(param: Tensor) -> None:
         hooks = ref()
         if hooks is not None:

@@ -166,6 +166,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     _step_supports_amp_scaling = True  # so torch.amp.GradScaler hands its scale to step(), which refuses it
 
+    # torch.compile runs the step eagerly (a graph break), and each method below that reaches the host state:
+    # they wait on copies and a worker thread. Traced, a step cut short by a compile error left close() waiting
+    # on the worker forever, and a traced close() left the optimizer open. torch's optimizers run zero_grad and
+    # their state dict calls eagerly too.
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One Adam step on the grads of the backward passes since the last step or zero_grad."""
@@ -273,6 +278,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._warned_no_grads = True
             refusals.warn_no_grads()
 
+    @torch.compiler.disable
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Discards the grads of the backward passes so far (a failed one's too): a new window begins."""
         self._rooms.hooks.abandon()
@@ -286,6 +292,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     else:
                         p.grad.detach_().zero_()
 
+    @torch.compiler.disable
     def close(self) -> None:
         """Detaches the optimizer from its params: hooks removed, copies finished, pinned memory released.
 
@@ -306,14 +313,17 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     # -- memory and checkpoints ---------------------------------------------------------------
 
+    @torch.compiler.disable
     def master_weights(self) -> list[Tensor]:
         """The host master weight of each trainable param (param_groups order, tied params once), as views."""
         return house.master_weights(self._rooms)
 
+    @torch.compiler.disable
     def memory_stats(self) -> dict[str, Any]:
         """Bytes held, measured from the allocated tensors (this process's shard on the host)."""
         return house.memory_stats(self._rooms)
 
+    @torch.compiler.disable
     def state_dict(self) -> dict[str, Any]:
         """Masters, Adam states, step counts, hyper-parameters (max_grad_norm too), seed, skipped steps.
 
@@ -338,6 +348,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 state_dict = returned
         return state_dict
 
+    @torch.compiler.disable
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restores a ``state_dict()`` and sets the device weights from the loaded masters.
 

@@ -6,7 +6,7 @@ coefficient. The placeholder answers both from the host: its norm is the norm of
 summed grad, and a multiplication is recorded and folded into the step's grad scale. So the
 framework's clipping clips for real and reports the real norm. The placeholder keeps the
 param's shape, dtype and device (one element of memory, expanded); any other computation with
-it raises an error that names the fix.
+it raises an error that names the fix. ``torch.compile`` uses it eagerly (a graph break).
 """
 
 from __future__ import annotations
@@ -48,6 +48,22 @@ _METADATA = {
     "data",
 }
 
+# Read by torch.compile when it makes a fake copy of a tensor, or of a param it traces (its grad too):
+# the placeholder answers as what it is, an expanded view of one element.
+_DESCRIBED = {
+    "_is_view",
+    "_base",
+    "is_nested",
+    "is_mkldnn",
+    "is_quantized",
+    "is_inference",
+    "untyped_storage",
+    "storage_offset",
+    "is_conj",
+    "is_neg",
+    "grad",
+}
+
 _MOVES = {"to", "cpu", "cuda", "bfloat16", "float", "half", "double", "type"}
 
 _FIX = (
@@ -75,13 +91,14 @@ class OffloadedGrad(Tensor):
     _source: tuple[weakref.ref[GradSource], int, int, int]  # (source, group, param, window)
 
     @classmethod
+    @torch.compiler.disable  # its answers come from the host when it runs: torch.compile runs it eagerly
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         owner = getattr(getattr(func, "__self__", None), "__name__", "")
         if owner == "data" and name == "__get__":  # grad.data is the grad itself: the host holds the numbers
             return args[0]
-        if name in _METADATA or owner in _METADATA:
+        if name in _METADATA or owner in _METADATA or name in _DESCRIBED or owner in _DESCRIBED:
             return super().__torch_function__(func, types, args, kwargs)
         if name in _MOVES:  # model.to(...) / model.cpu() move the grads too: still held on the host
             return args[0]._moved(func, *args[1:], **kwargs)

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 from torch import Tensor
 
 from .device import DeviceOps
 
-__all__ = ["check_not_capturing", "check_open", "check_unfrozen", "copy_refused", "grad_scaler_refused", "step_busy"]
+__all__ = [
+    "check_not_capturing",
+    "check_not_compiled_autograd",
+    "check_open",
+    "check_unfrozen",
+    "copy_refused",
+    "grad_scaler_refused",
+    "step_busy",
+]
 
 
 def check_open(closed: bool, verb: str) -> None:
@@ -24,6 +33,17 @@ def check_not_capturing(dev: DeviceOps) -> None:
         raise RuntimeError(
             "cpu_adam.OffloadOptimizer: step() cannot be captured in a CUDA graph: it waits on the host for the "
             "grads and runs Adam on the CPU. Capture the forward only, or train without CUDA graphs"
+        )
+
+
+def check_not_compiled_autograd() -> None:
+    compiled_autograd = sys.modules.get("torch._dynamo.compiled_autograd")  # never imported: not in use
+    if getattr(compiled_autograd, "in_compiled_autograd_region", False):
+        raise RuntimeError(
+            "cpu_adam.OffloadOptimizer: backward runs under compiled autograd (torch._dynamo.config."
+            "compiled_autograd), but the optimizer's grad hooks copy each grad to host memory as backward makes it "
+            "and need the autograd engine to say when backward ends. Turn compiled autograd off: torch.compile(model) "
+            "compiles the backward too, and the hooks run after it"
         )
 
 
