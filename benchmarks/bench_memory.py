@@ -43,7 +43,7 @@ CPU_ADAM, TORCH_FOREACH, TORCH_FUSED, DEEPSPEED = (
     "torch AdamW fused",
     "DeepSpeedCPUAdam",
 )
-# (params, states): the rows of DESIGN.md's byte budget table.
+# (params, states): the rows of the byte budget (benchmarks/README.md, "Bytes per parameter").
 CASES = [("fp32", "fp32"), ("fp32", "bf16"), ("bf16", "fp32"), ("bf16", "bf16"), ("fp32", "8bit"), ("bf16", "8bit")]
 IMPLEMENTATIONS = (CPU_ADAM, TORCH_FOREACH, TORCH_FUSED, DEEPSPEED)
 OFFLOAD = "OffloadOptimizer"

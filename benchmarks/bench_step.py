@@ -84,7 +84,7 @@ class Config:
     def bytes_per_param(self, out: bool) -> float:
         # What the step must move at least: params and both moments read and written, grads
         # read, the bf16 output written. Write-allocate reads and temporaries are not counted,
-        # so GB/s is the useful bandwidth, the same accounting as DESIGN.md's byte budgets.
+        # so GB/s is the useful bandwidth, the same accounting as the byte budgets in benchmarks/README.md.
         # 8-bit states add their two float32 scales per block, read and written.
         size = {F32: 4, BF16: 2, Q8: 1}
         scales = 2 * 2 * 4 / Q8_BLOCK if self.state == Q8 else 0
