@@ -72,9 +72,25 @@ def _run(rank: int, data: list[Tensor], fail_at: int | None, skip: int | None, o
     return snapshot
 
 
+def _closed_after_failing(rank: int, data: list[Tensor]) -> str:
+    """The failed rank closes its optimizer instead of calling zero_grad() (it gives up, or exits)."""
+    model = make_model(0)
+    opt = OffloadOptimizer(model.parameters(), **HYPER, process_group=dist.group.WORLD)
+    try:
+        _loss(model, data[0], fail=rank == FAILING_RANK).backward()
+        opt.step()
+        return "stepped"
+    except RuntimeError as error:
+        if rank == FAILING_RANK:
+            opt.close()  # the collectives it owed, so that the others are not left waiting
+        else:
+            opt.zero_grad()
+        return str(error)
+
+
 def _failure_rank(rank: int, world_size: int, out: Path) -> None:
     data = [tokens.chunk(world_size)[rank] for tokens in batches(5, seed=3)]
-    results = {}
+    results = {"closed": _closed_after_failing(rank, data)}
     for overlap in ("none", "backward"):
         for fail_at in (0, 2):  # the first backward (bucket order still being learned) and a later one
             results[overlap, fail_at] = {
@@ -110,3 +126,9 @@ def test_every_rank_raises_a_clear_error_and_training_goes_on_exactly(failure_ru
         assert state["param_steps"] == twin["param_steps"]
         for name in ("master", "exp_avg", "exp_avg_sq"):
             assert torch.equal(state[name], twin[name])
+
+
+def test_a_failed_rank_that_closes_its_optimizer_frees_the_others(failure_run):
+    assert failure_run[FAILING_RANK]["closed"] == "injected: this rank's backward failed"
+    other = failure_run[1 - FAILING_RANK]["closed"]
+    assert f"the backward of rank {FAILING_RANK} of 2 raised" in other
