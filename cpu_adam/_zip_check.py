@@ -53,15 +53,14 @@ def first_changed_record(path: Path, records: list[zipfile.ZipInfo]) -> str | No
 
 
 def _crc(fd: int, record: zipfile.ZipInfo) -> int:
-    if record.compress_type != zipfile.ZIP_STORED:  # not torch's: zipfile reads and checks it
-        with zipfile.ZipFile(os.fdopen(os.dup(fd), "rb")) as archive, archive.open(record) as f:
-            while f.read(_PIECE):
-                pass
-        return record.CRC
+    if record.compress_type != zipfile.ZIP_STORED:  # torch.save stores every record as it is
+        return ~record.CRC & 0xFFFFFFFF
     header = os.pread(fd, 30, record.header_offset)
     if len(header) < 30 or header[:4] != b"PK\x03\x04":
         return ~record.CRC & 0xFFFFFFFF
     name_len, extra_len = struct.unpack("<HH", header[26:30])
+    if os.pread(fd, name_len, record.header_offset + 30) != record.filename.encode():
+        return ~record.CRC & 0xFFFFFFFF  # the record's own header names another
     at, left, crc = record.header_offset + 30 + name_len + extra_len, record.compress_size, 0
     while left:
         piece = os.pread(fd, min(left, _PIECE), at)

@@ -17,6 +17,7 @@ import glob
 import os
 import pickle
 import stat
+import struct
 import tempfile
 import zipfile
 from pathlib import Path
@@ -95,17 +96,19 @@ def load_checkpoint(path: str | os.PathLike[str], *, verify: bool = True, **kwar
         _check_whole(path)
     try:
         return torch.load(path, **kwargs)
-    except (EOFError, RuntimeError, ValueError, OSError, IndexError, KeyError) as error:
-        if isinstance(error, FileNotFoundError | IsADirectoryError | PermissionError):
+    except RuntimeError as error:
+        # Archive metadata that Python's zip reader accepts and torch's does not: damaged all the same.
+        if not str(error).startswith("PytorchStreamReader"):
             raise
-        raise DamagedCheckpointError(
-            f"{path} could not be loaded as a checkpoint ({type(error).__name__}: {error}); it is damaged or was "
-            "not written by torch.save / cpu_adam.save_checkpoint"
-        ) from error
+        raise DamagedCheckpointError(f"{path} is damaged: torch cannot read its zip archive ({error})") from error
 
 
 # The pickled magic number that opens torch's pre-1.6 format, without the protocol header.
 _LEGACY_MAGIC = pickle.dumps(torch.serialization.MAGIC_NUMBER, protocol=2)[2:-1]
+
+
+# What Python's zip reader raises on damaged archive metadata (a name that is not UTF-8, an offset out of the file).
+_UNREADABLE = (zipfile.BadZipFile, ValueError, EOFError, OSError, struct.error)
 
 
 def _check_whole(path: Path) -> None:
@@ -113,25 +116,29 @@ def _check_whole(path: Path) -> None:
         raise DamagedCheckpointError(
             f"{path} is empty: not a checkpoint (a save that never finished? save_checkpoint never leaves one)"
         )
-    if not zipfile.is_zipfile(path):
+    try:
+        archive = zipfile.ZipFile(path)
+    except PermissionError:
+        raise
+    except _UNREADABLE as error:
         with path.open("rb") as f:
             head = f.read(64)
-        if _LEGACY_MAGIC not in head:  # torch's pre-1.6 format, without checksums, starts with it
-            raise DamagedCheckpointError(
-                f"{path} is not a whole checkpoint: it is truncated or damaged, or not a file torch.save wrote"
-            )
-        return
+        if _LEGACY_MAGIC in head:  # torch's pre-1.6 format, without checksums, starts with it
+            return
+        raise DamagedCheckpointError(
+            f"{path} is not a whole checkpoint: it is truncated or damaged, or not a file torch.save wrote ({error})"
+        ) from error
+    with archive:
+        records = archive.infolist()
+    if not any(r.filename.endswith("/data.pkl") or r.filename == "data.pkl" for r in records):
+        raise DamagedCheckpointError(f"{path} is a zip archive but not a checkpoint: it holds no data.pkl")
+    if all(r.CRC == 0 for r in records):
+        return  # saved with torch's checksums turned off: nothing to check against
     try:
-        with zipfile.ZipFile(path) as archive:
-            records = archive.infolist()
-            if not any(r.filename.endswith("/data.pkl") or r.filename == "data.pkl" for r in records):
-                raise DamagedCheckpointError(f"{path} is a zip archive but not a checkpoint: it holds no data.pkl")
-            if all(r.CRC == 0 for r in records):
-                return  # saved with torch's checksums turned off: nothing to check against
-            bad = first_changed_record(path, records)
-    except (zipfile.BadZipFile, EOFError, OSError, ValueError) as error:
-        if isinstance(error, FileNotFoundError | PermissionError):
-            raise
+        bad = first_changed_record(path, records)
+    except PermissionError:
+        raise
+    except _UNREADABLE as error:  # a record's offsets point outside the file
         raise DamagedCheckpointError(f"{path} is damaged: its zip archive cannot be read ({error})") from error
     if bad is not None:
         raise DamagedCheckpointError(

@@ -66,7 +66,7 @@ def test_a_byte_flipped_anywhere_is_detected_or_harmless(tmp_path: Path):
     saved = _optimizer_checkpoint(path)
     whole = path.read_bytes()
     rng, detected = random.Random(0), 0
-    for trial in range(60):
+    for trial in range(2000):
         data = bytearray(whole)
         data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
         path.write_bytes(data)
@@ -76,7 +76,7 @@ def test_a_byte_flipped_anywhere_is_detected_or_harmless(tmp_path: Path):
             detected += 1
             continue
         assert _equal(loaded, saved), f"trial {trial}: a changed checkpoint loaded with other values"
-    assert detected >= 50  # the tensors' bytes are most of the file
+    assert detected >= 1900  # the tensors' bytes are most of the file
 
 
 def test_every_truncation_is_named(tmp_path: Path):
