@@ -15,6 +15,7 @@ from offload_helpers import CopyingCPU, batches, lm_loss, make_model
 from cpu_adam import OffloadOptimizer, offload
 from cpu_adam.offload.link import Slot
 from cpu_adam.offload.store import HostStore, Store
+from cpu_adam.offload.world import World
 
 HYPER = dict(lr=1e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01, bucket_size=1024)
 
@@ -141,3 +142,34 @@ def test_each_slot_goes_through_explicit_states(monkeypatch: pytest.MonkeyPatch)
     receiving = next(key for key, state in link.slots.items() if state == Slot.RECEIVING)
     with pytest.raises(RuntimeError, match="uploaded while its grads land"):
         link._upload(*receiving, [True] * len(opt._rooms.model.params[0]), link.buffers[receiving[0]].tensor)
+
+
+class _PeerFailsOnce(World):
+    """A world of one whose end-of-backward all-reduce reports, once, that rank 1 of 2 failed."""
+
+    size = 2
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def max_over_ranks(self, values: list[int]) -> list[int]:
+        self.calls += 1
+        return [*values[:-1], 2] if self.calls == 1 else values
+
+
+def test_a_window_a_peer_failed_in_stays_failed_until_zero_grad():
+    model = make_model(0)
+    opt = OffloadOptimizer(model.parameters(), lr=1e-3, bucket_size=1024)
+    opt._rooms.window._world = _PeerFailsOnce()
+    data = batches(3)
+    with pytest.raises(RuntimeError, match="the backward of rank 1 of 2 raised"):
+        lm_loss(model, data[0]).backward()
+    with pytest.raises(RuntimeError, match="the backward of rank 1 of 2 raised"):
+        lm_loss(model, data[1]).backward()  # another micro-batch, without zero_grad: still refused
+    with pytest.raises(RuntimeError, match="the backward of rank 1 of 2 raised"):
+        opt.step()
+    opt.zero_grad()
+    lm_loss(model, data[2]).backward()
+    opt.step()
+    assert opt._rooms.store.steps[0] == [1] * len(opt._rooms.store.steps[0])
+    opt.close()

@@ -125,7 +125,8 @@ class Window:
         *shared, failed_rank = self._world.max_over_ranks(
             [int(self.got[g][i]) for g, i in keys] + [self._world.rank + 1 if failed else 0]
         )
-        self.failed_rank = failed_rank - 1 if failed_rank else None
+        if failed_rank:  # kept until reset(): later backward passes do not make the window whole again
+            self.failed_rank = failed_rank - 1
         new = [key for key, any_rank in zip(keys, shared) if any_rank and not self.got[key[0]][key[1]]]
         for g, i in new:
             self.got[g][i] = True
