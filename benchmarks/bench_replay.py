@@ -59,8 +59,28 @@ class CopyingDevice(DeviceOps):
         return False
 
 
+class _Clock:
+    """When the simulated GPU finishes each layer's backward: evenly spread, whatever the host does meanwhile.
+
+    A GPU runs the kernels the host queued ahead of it, so the host's work in the hooks (packing,
+    norms, copies: the device's work here, as the CPU is the device) hides in the layer's time where
+    it fits; only what runs past a layer's end delays the next.
+    """
+
+    def __init__(self, per_layer: float) -> None:
+        self.per_layer = per_layer
+        self.due = 0.0
+
+    def start(self) -> None:
+        self.due = time.perf_counter()
+
+    def next_layer(self) -> None:
+        self.due += self.per_layer
+        time.sleep(max(0.0, self.due - time.perf_counter()))
+
+
 class _Layer(torch.autograd.Function):
-    """Forward: nothing. Backward: the GPU's time for this layer, then its grads, made by nobody.
+    """Forward: nothing. Backward: waits for the GPU to finish this layer, then hands over its grads, made by nobody.
 
     The grads come from a pool: the tensor handed to autograd is referenced by nothing else, so
     autograd stores it as the param's grad as it is (no copy, no host time); a hook registered
@@ -68,13 +88,13 @@ class _Layer(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, param: torch.Tensor, pool: list[torch.Tensor], seconds: float) -> torch.Tensor:
-        ctx.pool, ctx.seconds = pool, seconds
+    def forward(ctx: Any, param: torch.Tensor, pool: list[torch.Tensor], clock: _Clock) -> torch.Tensor:
+        ctx.pool, ctx.clock = pool, clock
         return param.new_zeros((), dtype=torch.float32)
 
     @staticmethod
     def backward(ctx: Any, _: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        time.sleep(ctx.seconds)
+        ctx.clock.next_layer()
         return ctx.pool.pop(), None, None
 
 
@@ -98,12 +118,13 @@ def _timed_steps(
     total = sum(float(x.square().sum()) for x in grads) ** 0.5
     for pool, x in zip(pools, grads):
         pool.append((x * args.grad_norm / total).to(torch.bfloat16))
-    per_layer = backward_s / args.layers
+    clock = _Clock(backward_s / args.layers)
     steps, previewed = [], 0
     for i in range(args.warmup + args.steps):
         t0 = time.perf_counter()
         time.sleep(forward_s)
-        loss = sum(_Layer.apply(p, pool, per_layer) for p, pool in zip(layers, pools))
+        loss = sum(_Layer.apply(p, pool, clock) for p, pool in zip(layers, pools))
+        clock.start()
         loss.backward()
         t1 = time.perf_counter()
         opt.step()
@@ -121,6 +142,7 @@ def _timed_steps(
         "gpu_ms": gpu * 1e3,
         "exposed_ms": (step - gpu) * 1e3,
         "step_call_ms": statistics.median(s for _, _, s, _ in steps) * 1e3,
+        "forward_backward_ms": statistics.median(b for _, b, _, _ in steps) * 1e3,
         # What a GPU's copy engines would take off the host: step() less the uploads' host time.
         "step_call_less_uploads_ms": statistics.median(s - u for _, _, s, u in steps) * 1e3,
         "previewed_steps": previewed,
@@ -128,10 +150,17 @@ def _timed_steps(
     }
 
 
-def _serial_cpu_step_s(args: argparse.Namespace, options: dict, tick: Phase) -> float:
-    """The serial step alone (no GPU time): what the timeline is scaled to."""
+def _timeline(args: argparse.Namespace, options: dict, tick: Phase) -> tuple[float, float]:
+    """The simulated GPU's forward and backward, in seconds, from a serial run with no GPU time.
+
+    They are the H100's, scaled so that the serial ``step()`` (the H100's CPU Adam was its
+    step's) is ``cpu_share`` of them; the backward also gets the host's time in the hooks there
+    (packing, norms, copies down): on a GPU that is the device's work, not the host's.
+    """
     probe = _timed_steps(args, options, "none", (0.0, 0.0), tick)
-    return probe["step_ms"] / 1e3
+    gpu = probe["step_call_ms"] / 1e3 / args.cpu_share
+    device_work = probe["forward_backward_ms"] / 1e3
+    return gpu * FORWARD_MS / (FORWARD_MS + BACKWARD_MS), gpu * BACKWARD_MS / (FORWARD_MS + BACKWARD_MS) + device_work
 
 
 def main() -> None:
@@ -166,9 +195,7 @@ def main() -> None:
     for name in configs:
         options = CONFIGS[name]
         with progress.phase(f"{name}, serial probe", steps) as tick:
-            serial = _serial_cpu_step_s(args, options, tick)
-        gpu = serial / args.cpu_share
-        timeline = (gpu * FORWARD_MS / (FORWARD_MS + BACKWARD_MS), gpu * BACKWARD_MS / (FORWARD_MS + BACKWARD_MS))
+            timeline = _timeline(args, options, tick)
         for overlap in ("none", "backward"):
             with progress.phase(f"{name}, overlap {overlap}", steps * replayed, steps) as tick:
                 row = {"config": name, "overlap": overlap, **_timed_steps(args, options, overlap, timeline, tick)}
