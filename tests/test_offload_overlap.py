@@ -221,6 +221,119 @@ def test_a_kernel_error_surfaces_at_step_with_nothing_changed(monkeypatch: pytes
     opt.close()
 
 
+def _fail_worker_calls(
+    monkeypatch: pytest.MonkeyPatch, which: Callable[[dict], bool], after: int = 0, late: float = 0.0
+) -> list[int]:
+    """Worker-thread kernel calls matching ``which`` raise, from the ``after``-th on, ``late`` seconds after they
+    start; returns the count of those seen."""
+    real, seen = offload.overlap.run, [0]
+
+    def failing(calls, *, preview: bool = False) -> None:
+        if threading.current_thread() is not threading.main_thread() and calls and which(calls[0]):
+            seen[0] += 1
+            if seen[0] > after:
+                time.sleep(late)
+                raise RuntimeError("simulated kernel failure")
+        real(calls, preview=preview)
+
+    monkeypatch.setattr(offload.overlap, "run", failing)
+    return seen
+
+
+def _serial_skipping(step: int, steps: int) -> list:
+    """The weights and state of a serial run that never saw batch ``step``."""
+    model = make_model(0)
+    opt = OffloadOptimizer(model.parameters(), **HYPER, overlap="none")
+    for i, tokens in enumerate(batches(steps)):
+        if i != step:
+            lm_loss(model, tokens).backward()
+            opt.step()
+    state = opt.state_dict()["state"][0]
+    out = [raw(p) for p in model.parameters()] + [raw(state[k]) for k in ("master", "exp_avg", "exp_avg_sq")]
+    opt.close()
+    return out
+
+
+def test_a_commit_that_raises_after_other_buckets_went_up_puts_their_weights_back(monkeypatch: pytest.MonkeyPatch):
+    # The commits run with the landings (none ahead), and the last bucket to land fails its: by then
+    # every other bucket's weights went up, and must come back.
+    monkeypatch.setattr(offload.overlap.BackwardOverlap, "_commit_ahead", lambda self: False)
+    model = make_model(0)
+    opt = OffloadOptimizer(model.parameters(), **HYPER, overlap="backward")
+    data = batches(5)
+    for tokens in data[:2]:
+        lm_loss(model, tokens).backward()
+        opt.step()
+    landing = len(opt._rooms.overlap._order)
+    assert landing > 2
+    # Late: step() has uploaded the other buckets when it fails.
+    fused = _fail_worker_calls(monkeypatch, lambda call: call.get("then") is not None, after=landing - 1, late=0.3)
+    uploads = []
+    real_up = opt._rooms.link.up
+    monkeypatch.setattr(opt._rooms.link, "up", lambda *a: (uploads.append(a[:2]), real_up(*a))[1])
+    lm_loss(model, data[2]).backward()
+    weights = [raw(p) for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="simulated kernel failure"):
+        opt.step()
+    assert fused[0] == landing and len(uploads) >= 2 * (landing - 1), "the other buckets went up, then back"
+    assert all(torch.equal(raw(p), w) for p, w in zip(model.parameters(), weights))
+    monkeypatch.setattr(offload.overlap, "run", offload.stepper.run)
+    opt.zero_grad()
+    for tokens in data[3:]:
+        lm_loss(model, tokens).backward()
+        opt.step()
+    state = opt.state_dict()["state"][0]
+    seen = [raw(p) for p in model.parameters()] + [raw(state[k]) for k in ("master", "exp_avg", "exp_avg_sq")]
+    opt.close()
+    assert _same(seen, _serial_skipping(2, 5))
+
+
+def test_the_worker_commits_ahead_between_steps_and_a_failure_there_surfaces_at_the_next_step(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    model = make_model(0)
+    opt = OffloadOptimizer(model.parameters(), **HYPER, overlap="backward")
+    overlap = opt._rooms.overlap
+    data = batches(5)
+    for tokens in data[:2]:
+        lm_loss(model, tokens).backward()
+        opt.step()
+    deadline = time.monotonic() + 10
+    while overlap._deferred and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not overlap._deferred, "the worker committed the deferred step with nothing else to do"
+    commit_alone = _fail_worker_calls(monkeypatch, lambda call: call["bf16_outs"] is None)
+    lm_loss(model, data[2]).backward()
+    opt.step()  # its previews held: its state is deferred, and the worker fails to commit it ahead
+    while commit_alone[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert commit_alone[0] == 1
+    lm_loss(model, data[3]).backward()
+    weights = [raw(p) for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="simulated kernel failure"):
+        opt.step()
+    assert all(torch.equal(raw(p), w) for p, w in zip(model.parameters(), weights))
+    monkeypatch.setattr(offload.overlap, "run", offload.stepper.run)
+    opt.zero_grad()
+    lm_loss(model, data[4]).backward()
+    opt.step()
+    state = opt.state_dict()["state"][0]
+    seen = [raw(p) for p in model.parameters()] + [raw(state[k]) for k in ("master", "exp_avg", "exp_avg_sq")]
+    opt.close()
+    assert _same(seen, _serial_skipping(3, 5))
+
+
+def test_the_worker_leaves_the_model_thread_a_core():
+    threads = torch.get_num_threads()
+    opt = OffloadOptimizer(make_model(0).parameters(), **HYPER, overlap="backward")
+    worker = opt._rooms.overlap._worker
+    seen = []
+    worker.wait(worker.submit(lambda: seen.append(torch.get_num_threads())))
+    opt.close()
+    assert torch.get_num_threads() == threads
+    assert seen == [max(1, threads - 1)]
+
+
 def test_close_with_commits_in_flight_and_the_bytes_it_costs():
     model = make_model(0)
     opt = OffloadOptimizer(model.parameters(), **HYPER, overlap="backward")

@@ -136,6 +136,16 @@ class DeviceOps:
         with torch.cuda.stream(self._side):
             yield
 
+    @contextmanager
+    def uploading(self) -> Iterator[None]:
+        """The block's uploads run on the side stream, and later work on the compute stream waits for them, also
+        where the block raised (a failed step puts the weights it had uploaded back)."""
+        try:
+            with self.side_stream():
+                yield
+        finally:
+            self.compute_waits(self.record())
+
     def copy(self, dst: Tensor, src: Tensor) -> None:
         """Asynchronous on CUDA (pinned host memory); skipped when both are the same memory."""
         if dst.data_ptr() == src.data_ptr() and dst.dtype == src.dtype and dst.device == src.device:

@@ -21,6 +21,7 @@ process, the kernel writes the weights straight into the params (``direct``) and
 from __future__ import annotations
 
 import enum
+import time
 from collections import deque
 from typing import NamedTuple
 
@@ -76,6 +77,7 @@ class Link:
         self._inflight: deque[tuple[tuple[int, int], Event, list[Tensor]]] = deque()
         self._norm_plans: dict[tuple[int, int], tuple[Tensor, list[slice]]] = {}
         self.direct = dev.kernel_writes_params(world.size)
+        self.upload_seconds = 0.0  # the host's time in uploads, all of them where the device is the host
 
     # -- device memory ----------------------------------------------------------------------
 
@@ -199,6 +201,7 @@ class Link:
                 self._upload(g, b, [True] * len(self._params[g]), self.buffers[g].tensor)
 
     def _upload(self, g: int, b: int, wanted: list[bool], source: Tensor) -> None:
+        t = time.perf_counter()
         layout = self._layouts[g]
         piece, bucket = layout.pieces[b], layout.buckets[b]
         if bucket.numel == 0:
@@ -219,6 +222,7 @@ class Link:
         if source is self.buffers[g].tensor:
             self.slots[(g, b)] = Slot.UPLOADING
             self._events[(g, b)] = self._dev.record()
+        self.upload_seconds += time.perf_counter() - t
 
     def close(self) -> None:
         self._dev.synchronize()

@@ -208,8 +208,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def _apply(self) -> None:
         r = self._rooms
         t0 = time.perf_counter()
+        uploads_s, wait_s = r.link.upload_seconds, r.overlap.wait_seconds
         r.link.wait_all()
-        r.overlap.settle()  # this window's previews, and the commits of the step before
+        if not r.model.in_sync():
+            r.overlap.settle()  # the masters are about to be taken from the weights: the commits first
         t1 = time.perf_counter()
         r.model.check_storage()
         synced = r.model.sync_masters(r.store)
@@ -224,35 +226,28 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 finished.norm,
                 self.skipped_steps,
             )
+            r.overlap.settle()
         else:
             hypers = [
                 None if layout is None else self._hyper(o, finished.scale)
                 for o, layout in zip(self.param_groups, r.layouts)
             ]
             r.stepper.check(hypers, finished.got)
-            up_s = 0.0
-            previews = r.overlap.previews(hypers, finished, synced)
-            self.last_step_overlapped = previews is not None
-            with r.dev.side_stream():  # uploads wait for what the compute stream still does with the weights
+            with r.dev.uploading():  # after what the compute stream still does with the weights
+                self.last_step_overlapped = r.overlap.upload(hypers, finished, synced)
                 for g, hyper in enumerate(hypers):
                     if hyper is None:
                         continue
-                    for chunk in r.stepper.chunks[g]:  # each chunk's uploads overlap the next chunk's compute
-                        if previews is None:
-                            r.stepper.step(chunk, hyper, finished.grads, finished.got[g])
-                        t = time.perf_counter()
-                        for b in range(chunk.first, chunk.last):
-                            r.link.up(g, b, finished.got[g], None if previews is None else previews[g])
-                        up_s += time.perf_counter() - t
+                    for chunk in [] if self.last_step_overlapped else r.stepper.chunks[g]:
+                        r.stepper.step(chunk, hyper, finished.grads, finished.got[g])
+                        for b in range(chunk.first, chunk.last):  # overlapping the next chunk's compute
+                            r.link.up(g, b, finished.got[g])
                     r.model.note_versions(g)  # the optimizer's own writes
-                event = r.dev.record()
-            r.dev.compute_waits(event)
-            if previews is not None:
-                r.overlap.defer(hypers, finished)  # the state, committed during the next backward
         self._new_window()
         # adam_s includes uploads_s: the host's part of the uploads (all of them where the device is the host).
         self.step_timings = {"grads_wait_s": t1 - t0, "norm_s": t2 - t1, "adam_s": time.perf_counter() - t2}
-        self.step_timings["uploads_s"] = up_s if finished.scale is not None else 0.0
+        self.step_timings["uploads_s"] = r.link.upload_seconds - uploads_s
+        self.step_timings["overlap_wait_s"] = r.overlap.wait_seconds - wait_s  # for the worker's passes
 
     def _hyper(self, options: dict[str, Any], scale: float) -> dict[str, Any]:
         beta1, beta2 = options["betas"]

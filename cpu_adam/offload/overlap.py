@@ -9,25 +9,32 @@ preview's bf16 weights overwrite the kept grads, which the commit has just read,
 two steps and the weights fit in two pinned bf16 buffers: the link's slots and one more of the
 same size (2 bytes per param), which swap roles at each step.
 
-At ``step()``, where every bucket's preview still holds, the previews are uploaded and the step is
-deferred (its grads kept, its step counts taken). Where the grads are those the previews read but
-the numbers are not (clipping that bites, a changed hyper-parameter, weights written since), the
-previews are made again with the step's numbers, one pass that writes the weights alone, and the
-step is deferred all the same. Otherwise (another micro-batch came, a skip) the step runs serially,
-as with ``"none"``: a failed speculation costs no more than the serial step, and nothing it did is
-visible. A bucket that did not land commits at the
-next ``step()``; ``state_dict``, ``master_weights``, ``load_state_dict`` and ``close`` commit
-everything first, so the state a user can read is always the serial step's.
+At ``step()``, where every bucket's preview still holds, each bucket's previews are uploaded as
+soon as the worker has made them, and the step is deferred (its grads kept, its step counts
+taken). Where the grads are those the previews read but the numbers are not (clipping that bites,
+a changed hyper-parameter, weights written since), the previews are made again with the step's
+numbers, one pass that writes the weights alone, and the step is deferred all the same. Otherwise
+(another micro-batch came, a skip) the step runs serially, as with ``"none"``: a failed
+speculation costs no more than the serial step, and nothing it did is visible. A step that raises
+after some of its buckets went up puts their weights back (each bucket's master, committed by
+then, rounded as the kernel rounds it): all or nothing.
+
+Between steps the worker commits the deferred steps ahead, in the order the buckets landed last
+time, whenever it has no landing to serve (during the forward, say), so that a bucket whose
+commit is done only previews when it lands. ``state_dict``, ``master_weights``,
+``load_state_dict`` and ``close`` wait for every commit first, so the state a user can read is
+always the serial step's.
 """
 
 from __future__ import annotations
 
-import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import torch
 from torch import Tensor
 
 from ..ops import NextStep
@@ -35,53 +42,21 @@ from .device import DeviceOps, HostBuffer
 from .layout import FlatLayout
 from .link import SLOT_DTYPE, Landing, Link
 from .stepper import Chunk, Stepper, run
+from .store import Store
 from .window import Finished, Window
+from .worker import Worker
 from .world import World
 
-__all__ = ["BackwardOverlap", "NoOverlap", "Worker"]
+__all__ = ["BackwardOverlap", "NoOverlap"]
 
 Key = tuple[int, int]
-
-
-class Worker:
-    """One thread running jobs in order; a job's exception is raised by the next ``wait``."""
-
-    def __init__(self) -> None:
-        self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name="cpu_adam-overlap", daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            try:
-                if self._error is None:
-                    job()
-            except BaseException as error:
-                self._error = error
-            finally:
-                self._jobs.task_done()
-
-    def submit(self, job: Callable[[], None]) -> None:
-        self._jobs.put(job)
-
-    def wait(self) -> None:
-        """Returns once every job submitted so far has run; raises the first error of one."""
-        self._jobs.join()
-        error, self._error = self._error, None
-        if error is not None:
-            raise RuntimeError(f"cpu_adam.OffloadOptimizer: the overlapped step failed: {error}") from error
-
-    def stop(self) -> None:
-        if self._thread.is_alive():
-            self._jobs.put(None)
-            self._thread.join()
 
 
 class NoOverlap:
     """The serial step: nothing runs before ``step()``."""
 
     extra_bytes = 0
+    wait_seconds = 0.0
 
     def landed(self, g: int, b: int, landing: Landing) -> None:
         pass
@@ -89,11 +64,8 @@ class NoOverlap:
     def settle(self) -> None:
         pass
 
-    def previews(self, hypers: list[dict[str, Any] | None], finished: Finished, synced: bool) -> list[Tensor] | None:
-        return None
-
-    def defer(self, hypers: list[dict[str, Any] | None], finished: Finished) -> None:
-        pass
+    def upload(self, hypers: list[dict[str, Any] | None], finished: Finished, synced: bool) -> bool:
+        return False
 
     def reset(self) -> None:
         pass
@@ -126,6 +98,7 @@ class BackwardOverlap:
         layouts: list[FlatLayout | None],
         window: Window,
         stepper: Stepper,
+        store: Store,
         link: Link,
         hyper_of: Callable[[int, float], dict[str, Any]],
     ) -> None:
@@ -134,27 +107,59 @@ class BackwardOverlap:
         self._layouts = layouts
         self._window = window
         self._stepper = stepper
+        self._store = store
         self._link = link
         self._hyper_of = hyper_of  # group, scale -> the kernel's hyper-parameters as step() would pass them
         # The grads of the deferred step, then the previews' weights written over them; pinned, as uploads read it.
         self.spare: list[HostBuffer | None] = [
             None if layout is None else dev.host_buffer(layout.shard_numel, SLOT_DTYPE) for layout in layouts
         ]
+        self._lock = threading.Lock()  # the deferred steps, taken by landings and by the worker's idle commits
         self._deferred: dict[Key, _Deferred] = {}
         self._previews: dict[Key, _Preview] = {}
         self._failed: set[Key] = set()  # previews whose kernel raised: made again at step(), which says why
+        self._tickets: dict[Key, int] = {}  # this window's landing jobs
+        self._landed: list[Key] = []  # this window's first landings, in order
+        self._order: list[Key] = []  # the last window's: the order the deferred steps are committed ahead in
         self.remade = 0  # steps whose previews were made again with the step's numbers
+        self.wait_seconds = 0.0  # the host's time waiting for the worker's passes
         # Whether backward previews the step: not after a step whose previews read other numbers (a
         # run that clips clips nearly every step), whose backward then only commits.
         self._speculate = True
-        self._worker = Worker()
+        ref = weakref.ref(self)  # the thread must not keep the optimizer alive
+        self._worker = Worker(
+            lambda: (overlap := ref()) is not None and overlap._commit_ahead(), max(1, torch.get_num_threads() - 1)
+        )
         weakref.finalize(self, self._worker.stop)  # at exit too: no thread left inside the kernel
 
     @property
     def extra_bytes(self) -> int:
         return sum(b.nbytes for b in self.spare if b is not None)
 
-    # -- during backward ----------------------------------------------------------------------
+    # -- between steps and during backward ----------------------------------------------------
+
+    def _commit_ahead(self) -> bool:
+        """The worker's idle work: the next deferred step expected to land is committed before it does.
+
+        Its landing then only previews. Time the worker would idle (the forward, gaps in backward)
+        takes work off the backward's tail, for the state's bytes moved once more per param.
+        """
+        return self._commit_next(self._order)
+
+    def _commit_next(self, order: list[Key]) -> bool:
+        """Commits a deferred step, the first of ``order`` still deferred (else any); False where none is left."""
+        with self._lock:
+            key = next((k for k in order if k in self._deferred), next(iter(self._deferred), None))
+            if key is None:
+                return False
+            deferred = self._deferred.pop(key)
+        try:
+            run(self._commit_calls(key, deferred))
+        except BaseException:
+            with self._lock:
+                self._deferred[key] = deferred
+            raise
+        return True
 
     def landed(self, g: int, b: int, landing: Landing) -> None:
         """A bucket's grads went down: the worker commits its deferred step and previews this one."""
@@ -174,7 +179,8 @@ class BackwardOverlap:
         preview = self._stepper.calls(chunk, hyper, slots, got, outputs=self.spare[g].tensor) if self._speculate else []
         # Taken now, not when the job runs: a landing of the same bucket before then (the backward
         # after a failed one) must not commit the deferred step a second time.
-        deferred = self._deferred.pop(key, None)
+        with self._lock:
+            deferred = self._deferred.pop(key, None)
         commit = [] if deferred is None else self._commit_calls(key, deferred)
         fused = _fused(commit, preview)
 
@@ -185,7 +191,8 @@ class BackwardOverlap:
                 run(commit if fused is None else fused)
             except BaseException:
                 if deferred is not None:  # a failed commit stays deferred, and its error is raised
-                    self._deferred[key] = deferred
+                    with self._lock:
+                        self._deferred[key] = deferred
                 raise
             if fused is None and preview:
                 try:
@@ -193,7 +200,8 @@ class BackwardOverlap:
                 except Exception:
                     self._failed.add(key)
 
-        self._worker.submit(job)
+        self._landed.append(key)
+        self._tickets[key] = self._worker.submit(job)
 
     def _commit_calls(self, key: Key, deferred: _Deferred) -> list[dict[str, Any]]:
         g, b = key
@@ -206,22 +214,67 @@ class BackwardOverlap:
 
     def settle(self) -> None:
         """Every job done and every deferred step committed: the state is the serial step's."""
-        self._worker.wait()
-        for key, deferred in list(self._deferred.items()):
-            run(self._commit_calls(key, deferred))
-            del self._deferred[key]
+        self._wait(idle=True)
+        while self._commit_next([]):
+            pass
 
-    def previews(self, hypers: list[dict[str, Any] | None], finished: Finished, synced: bool) -> list[Tensor] | None:
-        """The previews' buffers, holding the weights of the step about to be taken (after ``settle``), or None.
+    def _wait(self, ticket: int | None = None, *, idle: bool = False) -> None:
+        t = time.perf_counter()
+        try:
+            self._worker.wait(ticket, idle=idle)
+        except BaseException:
+            self._previews.clear()  # a retried step() runs serially
+            raise
+        finally:
+            self.wait_seconds += time.perf_counter() - t
 
-        None where a bucket's grads are not what its preview read (it had none, another landing came,
-        params got grads or step counts since). Where they are but the previews read other numbers (a
-        clipping scale, a changed hyper-parameter, masters taken from weights written since, a
-        preview that raised), they are made again with the step's: one pass that reads the state
-        and the grads and writes the weights, instead of the step.
+    def upload(self, hypers: list[dict[str, Any] | None], finished: Finished, synced: bool) -> bool:
+        """Uploads the previews as the step's weights, where they hold, and defers its state; False: they do not
+        hold, and the caller takes the step serially (the state is settled).
+
+        A bucket goes up as soon as the worker has previewed it (in the order the buckets landed),
+        so the uploads overlap the rest of the worker's passes. Where the grads are those the
+        previews read but the numbers are not (a clipping scale, a changed hyper-parameter, masters
+        taken from weights written since), the previews are made again with the step's first: one
+        pass that reads the state and the grads and writes the weights, instead of the step. If
+        anything raises, the buckets already uploaded get their weights back: all or nothing.
         """
-        differ = False
-        again = synced or bool(self._failed)
+        held = self._held(hypers, finished)
+        if held is None:
+            self.settle()
+            return False
+        keys, differ, unmade = held
+        self._speculate = not differ
+        remake = differ or unmade or synced
+        if remake:
+            self.settle()
+            self.remade += 1
+            self._preview_again(hypers, finished, keys)
+        uploaded: list[Key] = []
+        try:
+            for key in keys if self._world.size > 1 else sorted(keys, key=self._landed.index):
+                if not remake:
+                    self._wait(self._tickets[key])
+                    if key in self._failed:
+                        self._preview_again(hypers, finished, [key])
+                g, b = key
+                self._link.up(g, b, finished.got[g], self.spare[g].tensor)
+                uploaded.append(key)
+            self.settle()  # the buckets that did not land commit their deferred steps before the buffers move
+        except BaseException:
+            self._restore(uploaded, finished.got)
+            raise
+        self._defer(hypers, finished)
+        return True
+
+    def _held(self, hypers: list[dict[str, Any] | None], finished: Finished) -> tuple[list[Key], bool, bool] | None:
+        """The buckets to upload, whether a preview read other numbers than the step's, and whether one was not
+        made (backward only committed); None where they do not hold.
+
+        They do not where a bucket's grads are not what its preview read (it had none, another
+        landing came, params got grads or step counts since).
+        """
+        keys, differ, unmade = [], False, False
         for g, layout in enumerate(self._layouts):
             if layout is None or hypers[g] is None:
                 continue
@@ -239,21 +292,29 @@ class BackwardOverlap:
                     or self._window.landings(g, b) != 1
                 ):
                     return None
+                keys.append((g, b))
                 differ = differ or preview.hyper != hypers[g]
-                again = again or not preview.made
-        self._speculate = not differ
-        if again or differ:
-            self.remade += 1
-            for g, hyper in enumerate(hypers):
-                for chunk in self._stepper.chunks[g] if hyper is not None else []:
-                    calls = self._stepper.calls(
-                        chunk, hyper, finished.grads, finished.got[g], outputs=self.spare[g].tensor
-                    )
-                    run(calls, preview=True)
-        return [None if buffer is None else buffer.tensor for buffer in self.spare]
+                unmade = unmade or not preview.made
+        return keys, differ, unmade
 
-    def defer(self, hypers: list[dict[str, Any] | None], finished: Finished) -> None:
-        """The step just uploaded from the previews: its state is committed by the next backward (or ``settle``)."""
+    def _preview_again(self, hypers: list[dict[str, Any] | None], finished: Finished, keys: list[Key]) -> None:
+        for g, b in keys:
+            calls = self._stepper.calls(
+                Chunk(g, b, b + 1), hypers[g], finished.grads, finished.got[g], outputs=self.spare[g].tensor
+            )
+            run(calls, preview=True)
+
+    def _restore(self, uploaded: list[Key], got: list[list[bool]]) -> None:
+        """The buckets whose new weights went up get back those they had: their masters (committed), rounded."""
+        for g, b in uploaded:
+            where = self._layouts[g].host_slice(b)
+            if where is not None:
+                self.spare[g].tensor[where[1]].copy_(self._store.master(g, where[1]))
+            self._link.up(g, b, got[g], self.spare[g].tensor)
+        self._previews.clear()
+
+    def _defer(self, hypers: list[dict[str, Any] | None], finished: Finished) -> None:
+        """The step just uploaded from the previews: its state is committed ahead of the next backward, or by it."""
         for g, layout in enumerate(self._layouts):
             if layout is None or hypers[g] is None:
                 continue
@@ -261,15 +322,20 @@ class BackwardOverlap:
             for b in range(len(layout.buckets)):
                 chunk = Chunk(g, b, b + 1)
                 if any(finished.got[g][i] for i in self._stepper.members_of(chunk)):
-                    self._deferred[(g, b)] = _Deferred(hypers[g], list(finished.got[g]), steps)
+                    with self._lock:
+                        self._deferred[(g, b)] = _Deferred(hypers[g], list(finished.got[g]), steps)
                     self._stepper.advance(chunk, finished.got[g])
             # The grads stay for the commit; the previews' weights, uploaded, become the slots.
             self.spare[g] = self._link.swap_buffer(g, self.spare[g])
         self._stepper.forget_lists()
+        self._order = list(self._landed)
+        self._worker.wake()
 
     def reset(self) -> None:
         self._previews.clear()
         self._failed.clear()
+        self._tickets.clear()
+        self._landed.clear()
 
     def close(self) -> None:
         try:

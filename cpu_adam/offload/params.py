@@ -155,6 +155,12 @@ class ModelSide:
     def _written_since(self, g: int) -> set[int]:
         return {i for i, (p, seen) in enumerate(zip(self.params[g], self._versions[g])) if p._version != seen}
 
+    def in_sync(self) -> bool:
+        """Whether the weights are what the masters were last set from or rounded to (no sync_masters needed)."""
+        return all(
+            layout is None or (self.synced[g] and not self._written_since(g)) for g, layout in enumerate(self._layouts)
+        )
+
     def sync_masters(self, store: Store) -> bool:
         """Masters from the weights: all of them before the first step, then those written by others.
 

@@ -114,7 +114,7 @@ def build(
     overlap = (
         NoOverlap()
         if options.overlap == "none"
-        else BackwardOverlap(dev, world, layouts, window, stepper, link, hyper_of)
+        else BackwardOverlap(dev, world, layouts, window, stepper, store, link, hyper_of)
     )
     hooks = Hooks(dev, trainable, layouts, link, window, schedule_for(world, layouts), overlap)
     return Rooms(options, dev, world, layouts, store, model, link, window, stepper, overlap, hooks), seed
