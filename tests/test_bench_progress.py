@@ -128,7 +128,7 @@ def test_bench_replay_prints_phase_lines_on_stderr_and_its_table_on_stdout(tmp_p
 
     stdout = run.stdout.splitlines()
     assert stdout[0] == f"0.1M params in 4 layers, {torch.get_num_threads()} threads"
-    assert stdout[1].startswith("config") and stdout[1].endswith("less uploads  previewed")
+    assert stdout[1].startswith("config") and stdout[1].endswith("uploads  worker  previewed")
     assert [line.startswith(config) for line in stdout[2:4]] == [True, True] and "with overlap:" in stdout[4]
     assert len(stdout) == 5 and "bench_replay [" not in run.stdout
     rows = json.loads(out.read_text())["rows"]

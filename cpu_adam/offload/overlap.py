@@ -82,12 +82,8 @@ class _Preview(NamedTuple):
     steps: tuple[int, ...]
 
 
-class _Deferred(NamedTuple):
-    """A step whose state is not written yet: its grads are in the spare buffer."""
-
-    hyper: dict[str, Any]
-    got: list[bool]
-    steps: list[int]  # the params' counts before it
+# A step whose state is not written yet (its grads are in the spare buffer): the kernel calls that write it.
+Commit = list[dict[str, Any]]
 
 
 class BackwardOverlap:
@@ -115,7 +111,7 @@ class BackwardOverlap:
             None if layout is None else dev.host_buffer(layout.shard_numel, SLOT_DTYPE) for layout in layouts
         ]
         self._lock = threading.Lock()  # the deferred steps, taken by landings and by the worker's idle commits
-        self._deferred: dict[Key, _Deferred] = {}
+        self._deferred: dict[Key, Commit] = {}
         self._previews: dict[Key, _Preview] = {}
         self._failed: set[Key] = set()  # previews whose kernel raised: made again at step(), which says why
         self._tickets: dict[Key, int] = {}  # this window's landing jobs
@@ -139,12 +135,15 @@ class BackwardOverlap:
     # -- between steps and during backward ----------------------------------------------------
 
     def _commit_ahead(self) -> bool:
-        """The worker's idle work: the next deferred step expected to land is committed before it does.
+        """The worker's idle work until the next backward's first landing: the deferred steps, in the order their
+        buckets are expected to land, are committed before they do.
 
-        Its landing then only previews. Time the worker would idle (the forward, gaps in backward)
-        takes work off the backward's tail, for the state's bytes moved once more per param.
+        Such a bucket's landing then only previews. The forward's time takes work off the backward's
+        tail, for the state's bytes moved once more per param committed ahead; once grads land, the
+        landings commit the rest in their one pass (on 2 cores, committing ahead during backward too
+        made the backward later).
         """
-        return self._commit_next(self._order)
+        return not self._landed and self._commit_next(self._order)
 
     def _commit_next(self, order: list[Key]) -> bool:
         """Commits a deferred step, the first of ``order`` still deferred (else any); False where none is left."""
@@ -152,12 +151,12 @@ class BackwardOverlap:
             key = next((k for k in order if k in self._deferred), next(iter(self._deferred), None))
             if key is None:
                 return False
-            deferred = self._deferred.pop(key)
+            commit = self._deferred.pop(key)
         try:
-            run(self._commit_calls(key, deferred))
+            run(commit)
         except BaseException:
             with self._lock:
-                self._deferred[key] = deferred
+                self._deferred[key] = commit
             raise
         return True
 
@@ -180,8 +179,7 @@ class BackwardOverlap:
         # Taken now, not when the job runs: a landing of the same bucket before then (the backward
         # after a failed one) must not commit the deferred step a second time.
         with self._lock:
-            deferred = self._deferred.pop(key, None)
-        commit = [] if deferred is None else self._commit_calls(key, deferred)
+            commit = self._deferred.pop(key, [])
         fused = _fused(commit, preview)
 
         def job() -> None:
@@ -190,9 +188,9 @@ class BackwardOverlap:
             try:
                 run(commit if fused is None else fused)
             except BaseException:
-                if deferred is not None:  # a failed commit stays deferred, and its error is raised
+                if commit:  # a failed commit stays deferred, and its error is raised
                     with self._lock:
-                        self._deferred[key] = deferred
+                        self._deferred[key] = commit
                 raise
             if fused is None and preview:
                 try:
@@ -202,13 +200,6 @@ class BackwardOverlap:
 
         self._landed.append(key)
         self._tickets[key] = self._worker.submit(job)
-
-    def _commit_calls(self, key: Key, deferred: _Deferred) -> list[dict[str, Any]]:
-        g, b = key
-        grads = {key: self.spare[g].tensor}
-        return self._stepper.calls(
-            Chunk(g, b, b + 1), deferred.hyper, grads, deferred.got, weights=False, steps=deferred.steps
-        )
 
     # -- at step() and wherever the state is read -----------------------------------------------
 
@@ -314,28 +305,34 @@ class BackwardOverlap:
         self._previews.clear()
 
     def _defer(self, hypers: list[dict[str, Any] | None], finished: Finished) -> None:
-        """The step just uploaded from the previews: its state is committed ahead of the next backward, or by it."""
+        """The step just uploaded from the previews: its state is committed ahead of the next backward, or by it.
+
+        Its kernel calls are made here, so that the worker runs them without taking the interpreter's lock
+        from the thread running the model for more than a call.
+        """
         for g, layout in enumerate(self._layouts):
             if layout is None or hypers[g] is None:
                 continue
+            # The grads stay for the commit; the previews' weights, uploaded, become the slots.
+            self.spare[g] = self._link.swap_buffer(g, self.spare[g])
             steps = list(self._stepper.steps(g))
             for b in range(len(layout.buckets)):
                 chunk = Chunk(g, b, b + 1)
                 if any(finished.got[g][i] for i in self._stepper.members_of(chunk)):
+                    grads = {(g, b): self.spare[g].tensor}
+                    commit = self._stepper.calls(chunk, hypers[g], grads, finished.got[g], weights=False, steps=steps)
                     with self._lock:
-                        self._deferred[(g, b)] = _Deferred(hypers[g], list(finished.got[g]), steps)
+                        self._deferred[(g, b)] = commit
                     self._stepper.advance(chunk, finished.got[g])
-            # The grads stay for the commit; the previews' weights, uploaded, become the slots.
-            self.spare[g] = self._link.swap_buffer(g, self.spare[g])
         self._stepper.forget_lists()
         self._order = list(self._landed)
-        self._worker.wake()
 
     def reset(self) -> None:
         self._previews.clear()
         self._failed.clear()
         self._tickets.clear()
         self._landed.clear()
+        self._worker.wake()  # a new window: the deferred steps are committed ahead until its first landing
 
     def close(self) -> None:
         try:
