@@ -31,7 +31,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -226,9 +226,10 @@ class BackwardOverlap:
         A bucket goes up as soon as the worker has previewed it (in the order the buckets landed),
         so the uploads overlap the rest of the worker's passes. Where the grads are those the
         previews read but the numbers are not (a clipping scale, a changed hyper-parameter, masters
-        taken from weights written since), the previews are made again with the step's first: one
-        pass that reads the state and the grads and writes the weights, instead of the step. If
-        anything raises, the buckets already uploaded get their weights back: all or nothing.
+        taken from weights written since), the previews are made again with the step's: one pass
+        that reads the state and the grads and writes the weights, instead of the step, each
+        chunk's uploads overlapping the next chunk's pass. If anything raises, the buckets already
+        uploaded get their weights back: all or nothing.
         """
         held = self._held(hypers, finished)
         if held is None:
@@ -240,14 +241,9 @@ class BackwardOverlap:
         if remake:
             self.settle()
             self.remade += 1
-            self._preview_again(hypers, finished, keys)
         uploaded: list[Key] = []
         try:
-            for key in keys if self._world.size > 1 else sorted(keys, key=self._landed.index):
-                if not remake:
-                    self._wait(self._tickets[key])
-                    if key in self._failed:
-                        self._preview_again(hypers, finished, [key])
+            for key in self._made_again(hypers, finished, keys) if remake else self._previewed(hypers, finished, keys):
                 g, b = key
                 self._link.up(g, b, finished.got[g], self.spare[g].tensor)
                 uploaded.append(key)
@@ -288,12 +284,27 @@ class BackwardOverlap:
                 unmade = unmade or not preview.made
         return keys, differ, unmade
 
-    def _preview_again(self, hypers: list[dict[str, Any] | None], finished: Finished, keys: list[Key]) -> None:
-        for g, b in keys:
-            calls = self._stepper.calls(
-                Chunk(g, b, b + 1), hypers[g], finished.grads, finished.got[g], outputs=self.spare[g].tensor
-            )
-            run(calls, preview=True)
+    def _previewed(self, hypers: list[dict[str, Any] | None], finished: Finished, keys: list[Key]) -> Iterator[Key]:
+        """The buckets, each once the worker has previewed it: in the order they landed (with ZeRO, the ranks'
+        one order of the buckets, as every rank uploads through the same collectives)."""
+        for key in keys if self._world.size > 1 else sorted(keys, key=self._landed.index):
+            self._wait(self._tickets[key])
+            if key in self._failed:  # its commit ran: the preview is made here
+                g, b = key
+                self._preview_chunk(Chunk(g, b, b + 1), hypers[g], finished)
+            yield key
+
+    def _made_again(self, hypers: list[dict[str, Any] | None], finished: Finished, keys: list[Key]) -> Iterator[Key]:
+        """The buckets, each once made again with the step's numbers, a chunk (one kernel call) at a time."""
+        wanted = set(keys)
+        for g, hyper in enumerate(hypers):
+            for chunk in self._stepper.chunks[g] if hyper is not None else []:
+                self._preview_chunk(chunk, hyper, finished)
+                yield from (key for key in ((g, b) for b in range(chunk.first, chunk.last)) if key in wanted)
+
+    def _preview_chunk(self, chunk: Chunk, hyper: dict[str, Any], finished: Finished) -> None:
+        outputs = self.spare[chunk.group].tensor
+        run(self._stepper.calls(chunk, hyper, finished.grads, finished.got[chunk.group], outputs=outputs), preview=True)
 
     def _restore(self, uploaded: list[Key], got: list[list[bool]]) -> None:
         """The buckets whose new weights went up get back those they had: their masters (committed), rounded."""
