@@ -31,6 +31,12 @@ class Idle:
         return self.left > 0
 
 
+def _until(done, seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def test_jobs_run_in_order_and_a_ticket_waits_for_its_own():
     worker = Worker(Idle(), 1)
     order, gate = [], threading.Event()
@@ -60,9 +66,7 @@ def test_idle_work_runs_when_woken_until_done():
     idle = Idle(units=5)
     worker = Worker(idle, 1)
     worker.wake()
-    deadline = time.monotonic() + 10
-    while idle.left and time.monotonic() < deadline:
-        time.sleep(0.01)
+    _until(lambda: not idle.left)
     assert len(idle.done) == 5
     worker.stop()
 
@@ -93,9 +97,7 @@ def test_a_failed_idle_unit_is_not_retried_until_woken():
     time.sleep(0.05)
     assert len(idle.done) == 1, "not retried behind the caller's back"
     worker.wake()
-    deadline = time.monotonic() + 10
-    while idle.left and time.monotonic() < deadline:
-        time.sleep(0.01)
+    _until(lambda: not idle.left)
     assert len(idle.done) == 3
     worker.stop()
 
