@@ -25,6 +25,7 @@ from cpu_adam import OffloadOptimizer, offload
 HYPER = dict(lr=1e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01, bucket_size=1024)
 STEPS = 5
 REMADE: dict[str, int] = {}
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"))
 
 Event = Callable[[torch.nn.Module, OffloadOptimizer, int], None]  # what happens between backward and step()
 
@@ -240,11 +241,11 @@ def _fail_worker_calls(
     return seen
 
 
-def _serial_skipping(step: int, steps: int) -> list:
+def _serial_skipping(step: int, steps: int, device: str = "cpu") -> list:
     """The weights and state of a serial run that never saw batch ``step``."""
-    model = make_model(0)
+    model = make_model(0, device)
     opt = OffloadOptimizer(model.parameters(), **HYPER, overlap="none")
-    for i, tokens in enumerate(batches(steps)):
+    for i, tokens in enumerate(batches(steps, device=device)):
         if i != step:
             lm_loss(model, tokens).backward()
             opt.step()
@@ -254,13 +255,16 @@ def _serial_skipping(step: int, steps: int) -> list:
     return out
 
 
-def test_a_commit_that_raises_after_other_buckets_went_up_puts_their_weights_back(monkeypatch: pytest.MonkeyPatch):
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_a_commit_that_raises_after_other_buckets_went_up_puts_their_weights_back(
+    monkeypatch: pytest.MonkeyPatch, device: str
+):
     # The commits run with the landings (none ahead), and the last bucket to land fails its: by then
     # every other bucket's weights went up, and must come back.
     monkeypatch.setattr(offload.overlap.BackwardOverlap, "_commit_ahead", lambda self: False)
-    model = make_model(0)
+    model = make_model(0, device)
     opt = OffloadOptimizer(model.parameters(), **HYPER, overlap="backward")
-    data = batches(5)
+    data = batches(5, device=device)
     for tokens in data[:2]:
         lm_loss(model, tokens).backward()
         opt.step()
@@ -285,7 +289,7 @@ def test_a_commit_that_raises_after_other_buckets_went_up_puts_their_weights_bac
     state = opt.state_dict()["state"][0]
     seen = [raw(p) for p in model.parameters()] + [raw(state[k]) for k in ("master", "exp_avg", "exp_avg_sq")]
     opt.close()
-    assert _same(seen, _serial_skipping(2, 5))
+    assert _same(seen, _serial_skipping(2, 5, device))
 
 
 def test_the_worker_commits_ahead_between_steps_and_a_failure_there_surfaces_at_the_next_step(

@@ -77,7 +77,7 @@ class NoOverlap:
 class _Preview(NamedTuple):
     epoch: int  # the window it was made in
     hyper: dict[str, Any]  # what it speculated
-    made: bool  # False: not made (the last step's previews read other numbers), only its grads noted
+    calls: list[dict[str, Any]]  # its kernel calls; none where not made (the last step's previews read other numbers)
     got: tuple[bool, ...]  # the bucket's params that had a grad
     steps: tuple[int, ...]
 
@@ -171,11 +171,9 @@ class BackwardOverlap:
         got = list(self._window.got[g])
         hyper = self._hyper_of(g, 1.0 / self._world.size)
         steps = tuple(self._stepper.steps(g)[i] for i in members)
-        self._previews[key] = _Preview(
-            self._window.epoch, hyper, self._speculate, tuple(got[i] for i in members), steps
-        )
         slots = {key: self._link.buffers[g].tensor}
         preview = self._stepper.calls(chunk, hyper, slots, got, outputs=self.spare[g].tensor) if self._speculate else []
+        self._previews[key] = _Preview(self._window.epoch, hyper, preview, tuple(got[i] for i in members), steps)
         # Taken now, not when the job runs: a landing of the same bucket before then (the backward
         # after a failed one) must not commit the deferred step a second time.
         with self._lock:
@@ -251,7 +249,7 @@ class BackwardOverlap:
         except BaseException:
             self._restore(uploaded, finished.got)
             raise
-        self._defer(hypers, finished)
+        self._defer(hypers, finished, remake)
         return True
 
     def _held(self, hypers: list[dict[str, Any] | None], finished: Finished) -> tuple[list[Key], bool, bool] | None:
@@ -281,7 +279,7 @@ class BackwardOverlap:
                     return None
                 keys.append((g, b))
                 differ = differ or preview.hyper != hypers[g]
-                unmade = unmade or not preview.made
+                unmade = unmade or not preview.calls
         return keys, differ, unmade
 
     def _previewed(self, hypers: list[dict[str, Any] | None], finished: Finished, keys: list[Key]) -> Iterator[Key]:
@@ -315,11 +313,12 @@ class BackwardOverlap:
             self._link.up(g, b, got[g], self.spare[g].tensor)
         self._previews.clear()
 
-    def _defer(self, hypers: list[dict[str, Any] | None], finished: Finished) -> None:
+    def _defer(self, hypers: list[dict[str, Any] | None], finished: Finished, remade: bool) -> None:
         """The step just uploaded from the previews: its state is committed ahead of the next backward, or by it.
 
-        Its kernel calls are made here, so that the worker runs them without taking the interpreter's lock
-        from the thread running the model for more than a call.
+        Its kernel calls are those of the previews taken, less their bf16 outputs: the same state,
+        grads, step counts and numbers (made here where the previews were made again), so that the
+        worker takes the interpreter's lock for a call, not to build one.
         """
         for g, layout in enumerate(self._layouts):
             if layout is None or hypers[g] is None:
@@ -330,8 +329,12 @@ class BackwardOverlap:
             for b in range(len(layout.buckets)):
                 chunk = Chunk(g, b, b + 1)
                 if any(finished.got[g][i] for i in self._stepper.members_of(chunk)):
-                    grads = {(g, b): self.spare[g].tensor}
-                    commit = self._stepper.calls(chunk, hypers[g], grads, finished.got[g], weights=False, steps=steps)
+                    if remade:
+                        grads = {(g, b): self.spare[g].tensor}
+                        got = finished.got[g]
+                        commit = self._stepper.calls(chunk, hypers[g], grads, got, weights=False, steps=steps)
+                    else:
+                        commit = [{**call, "bf16_outs": None} for call in self._previews[(g, b)].calls]
                     with self._lock:
                         self._deferred[(g, b)] = commit
                     self._stepper.advance(chunk, finished.got[g])
