@@ -30,6 +30,12 @@ CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available
 Event = Callable[[torch.nn.Module, OffloadOptimizer, int], None]  # what happens between backward and step()
 
 
+def _patch_run(monkeypatch: pytest.MonkeyPatch, run: Callable) -> None:
+    """``run`` runs every kernel call of the overlap: the landings', the commits ahead and those at settle."""
+    monkeypatch.setattr(offload.overlap, "run", run)
+    monkeypatch.setattr(offload.deferred, "run", run)
+
+
 def _train(overlap: str, before_step: Event | None = None, micro: int = 1, **options: Any) -> tuple[list, list[bool]]:
     """What the user can see of a short training run, and per step whether it was deferred (``last_step_overlapped``).
 
@@ -161,7 +167,7 @@ def test_a_failed_backward_then_zero_grad_equals_the_serial_step(monkeypatch: py
                 time.sleep(0.05)
             real(calls, preview=preview)
 
-        monkeypatch.setattr(offload.overlap, "run", late)
+        _patch_run(monkeypatch, late)
 
     def run(overlap: str) -> list:
         model = make_model(0)
@@ -193,7 +199,7 @@ def test_a_preview_that_raises_in_the_worker_is_made_again_at_step(monkeypatch: 
 
     monkeypatch.setattr(offload.overlap, "_fused", lambda commit, preview: None)  # the preview runs alone
     serial, _ = _train("none")
-    monkeypatch.setattr(offload.overlap, "run", failing_in_the_worker)
+    _patch_run(monkeypatch, failing_in_the_worker)
     overlapped, held = _train("backward")
     assert _same(overlapped, serial) and all(held[1:])
 
@@ -209,13 +215,13 @@ def test_a_kernel_error_surfaces_at_step_with_nothing_changed(monkeypatch: pytes
     def failing(calls, *, preview: bool = False) -> None:
         raise RuntimeError("simulated kernel failure")
 
-    monkeypatch.setattr(offload.overlap, "run", failing)
+    _patch_run(monkeypatch, failing)
     lm_loss(model, batches(3)[2]).backward()
     weights = [raw(p) for p in model.parameters()]
     with pytest.raises(RuntimeError, match="simulated kernel failure"):
         opt.step()
     assert all(torch.equal(raw(p), w) for p, w in zip(model.parameters(), weights))
-    monkeypatch.setattr(offload.overlap, "run", real)
+    _patch_run(monkeypatch, real)
     opt.zero_grad()
     state = opt.state_dict()  # the deferred step that failed is committed now
     assert state["state"][0]["step"] == 2
@@ -237,7 +243,7 @@ def _fail_worker_calls(
                 raise RuntimeError("simulated kernel failure")
         real(calls, preview=preview)
 
-    monkeypatch.setattr(offload.overlap, "run", failing)
+    _patch_run(monkeypatch, failing)
     return seen
 
 
@@ -281,7 +287,7 @@ def test_a_commit_that_raises_after_other_buckets_went_up_puts_their_weights_bac
         opt.step()
     assert fused[0] == landing and len(uploads) >= 2 * (landing - 1), "the other buckets went up, then back"
     assert all(torch.equal(raw(p), w) for p, w in zip(model.parameters(), weights))
-    monkeypatch.setattr(offload.overlap, "run", offload.stepper.run)
+    _patch_run(monkeypatch, offload.stepper.run)
     opt.zero_grad()
     for tokens in data[3:]:
         lm_loss(model, tokens).backward()
@@ -317,7 +323,7 @@ def test_the_worker_commits_ahead_between_steps_and_a_failure_there_surfaces_at_
     with pytest.raises(RuntimeError, match="simulated kernel failure"):
         opt.step()
     assert all(torch.equal(raw(p), w) for p, w in zip(model.parameters(), weights))
-    monkeypatch.setattr(offload.overlap, "run", offload.stepper.run)
+    _patch_run(monkeypatch, offload.stepper.run)
     opt.zero_grad()
     lm_loss(model, data[4]).backward()
     opt.step()

@@ -28,7 +28,6 @@ always the serial step's.
 
 from __future__ import annotations
 
-import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -38,6 +37,7 @@ import torch
 from torch import Tensor
 
 from ..ops import NextStep
+from .deferred import DeferredSteps
 from .device import DeviceOps, HostBuffer
 from .layout import FlatLayout
 from .link import SLOT_DTYPE, Landing, Link
@@ -82,10 +82,6 @@ class _Preview(NamedTuple):
     steps: tuple[int, ...]
 
 
-# A step whose state is not written yet (its grads are in the spare buffer): the kernel calls that write it.
-Commit = list[dict[str, Any]]
-
-
 class BackwardOverlap:
     def __init__(
         self,
@@ -110,8 +106,7 @@ class BackwardOverlap:
         self.spare: list[HostBuffer | None] = [
             None if layout is None else dev.host_buffer(layout.shard_numel, SLOT_DTYPE) for layout in layouts
         ]
-        self._lock = threading.Lock()  # the deferred steps, taken by landings and by the worker's idle commits
-        self._deferred: dict[Key, Commit] = {}
+        self._deferred = DeferredSteps()  # their grads in the spare buffer
         self._previews: dict[Key, _Preview] = {}
         self._failed: set[Key] = set()  # previews whose kernel raised: made again at step(), which says why
         self._tickets: dict[Key, int] = {}  # this window's landing jobs
@@ -143,22 +138,7 @@ class BackwardOverlap:
         landings commit the rest in their one pass (on 2 cores, committing ahead during backward too
         made the backward later).
         """
-        return not self._landed and self._commit_next(self._order)
-
-    def _commit_next(self, order: list[Key]) -> bool:
-        """Commits a deferred step, the first of ``order`` still deferred (else any); False where none is left."""
-        with self._lock:
-            key = next((k for k in order if k in self._deferred), next(iter(self._deferred), None))
-            if key is None:
-                return False
-            commit = self._deferred.pop(key)
-        try:
-            run(commit)
-        except BaseException:
-            with self._lock:
-                self._deferred[key] = commit
-            raise
-        return True
+        return not self._landed and self._deferred.run_next(self._order)
 
     def landed(self, g: int, b: int, landing: Landing) -> None:
         """A bucket's grads went down: the worker commits its deferred step and previews this one."""
@@ -176,8 +156,7 @@ class BackwardOverlap:
         self._previews[key] = _Preview(self._window.epoch, hyper, preview, tuple(got[i] for i in members), steps)
         # Taken now, not when the job runs: a landing of the same bucket before then (the backward
         # after a failed one) must not commit the deferred step a second time.
-        with self._lock:
-            commit = self._deferred.pop(key, [])
+        commit = self._deferred.take(key)
         fused = _fused(commit, preview)
 
         def job() -> None:
@@ -187,8 +166,7 @@ class BackwardOverlap:
                 run(commit if fused is None else fused)
             except BaseException:
                 if commit:  # a failed commit stays deferred, and its error is raised
-                    with self._lock:
-                        self._deferred[key] = commit
+                    self._deferred.put(key, commit)
                 raise
             if fused is None and preview:
                 try:
@@ -204,8 +182,7 @@ class BackwardOverlap:
     def settle(self) -> None:
         """Every job done and every deferred step committed: the state is the serial step's."""
         self._wait(idle=True)
-        while self._commit_next([]):
-            pass
+        self._deferred.run_all()
 
     def _wait(self, ticket: int | None = None, *, idle: bool = False) -> None:
         t = time.perf_counter()
@@ -335,8 +312,7 @@ class BackwardOverlap:
                         commit = self._stepper.calls(chunk, hypers[g], grads, got, weights=False, steps=steps)
                     else:
                         commit = [{**call, "bf16_outs": None} for call in self._previews[(g, b)].calls]
-                    with self._lock:
-                        self._deferred[(g, b)] = commit
+                    self._deferred.put((g, b), commit)
                     self._stepper.advance(chunk, finished.got[g])
         self._stepper.forget_lists()
         self._order = list(self._landed)
