@@ -40,6 +40,7 @@ class Worker:
         self._error: BaseException | None = None
         self._stopping = False
         judge_threads_once()  # the process's thread count, here: the worker's is one fewer by design
+        threads_for(1)  # the kernel is built and loaded here, where a failure is raised to the caller
         ready = threading.Event()
         mine = torch.get_num_threads()
         self._thread = threading.Thread(target=self._loop, args=(threads, ready), name="cpu_adam-overlap", daemon=True)
@@ -78,12 +79,17 @@ class Worker:
             raise RuntimeError(f"cpu_adam.OffloadOptimizer: the overlapped step failed: {error}") from error
 
     def _loop(self, threads: int, ready: threading.Event) -> None:
-        torch.set_num_threads(threads)
-        # Each library sets a thread's count from the process's default at its first parallel call in that
-        # thread (torch's and the kernel's each keep their own flag): both make it now, while that is ours.
-        torch.get_num_threads()
-        threads_for(1)
-        ready.set()
+        try:
+            torch.set_num_threads(threads)
+            # Each library sets a thread's count from the process's default at its first parallel call in
+            # that thread (torch's and the kernel's each keep their own flag): both make it now, while that
+            # is ours.
+            torch.get_num_threads()
+            threads_for(1)
+        except BaseException as error:  # raised by the first wait; the jobs still run
+            self._error = error
+        finally:
+            ready.set()
         while True:
             with self._cond:
                 while not (self._jobs or self._stopping or self._idle_due()):
