@@ -63,8 +63,8 @@ CONFIGS = {
 def _cache_freed_memory() -> None:
     """The CPU as a device allocates like CUDA's caching allocator: freed blocks stay with the process.
 
-    glibc hands large freed blocks back to the OS and faults them in again, which made the uploads'
-    device buffers (one per bucket per step) cost 8-20 ms per step from run to run.
+    glibc hands large freed blocks back to the OS and maps them again, which made the uploads'
+    device buffers (one per bucket per step) cost 8-22 ms per step from step to step (8-10 ms kept).
     """
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL("libc.so.6")
