@@ -226,7 +226,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 finished.norm,
                 self.skipped_steps,
             )
-            r.overlap.settle()
         else:
             hypers = [
                 None if layout is None else self._hyper(o, finished.scale)

@@ -262,7 +262,8 @@ class BackwardOverlap:
     def _previewed(self, hypers: list[dict[str, Any] | None], finished: Finished, keys: list[Key]) -> Iterator[Key]:
         """The buckets, each once the worker has previewed it: in the order they landed (with ZeRO, the ranks'
         one order of the buckets, as every rank uploads through the same collectives)."""
-        for key in keys if self._world.size > 1 else sorted(keys, key=self._landed.index):
+        landed = {key: i for i, key in enumerate(self._landed)}
+        for key in keys if self._world.size > 1 else sorted(keys, key=landed.__getitem__):
             self._wait(self._tickets[key])
             if key in self._failed:  # its commit ran: the preview is made here
                 g, b = key
