@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 
@@ -78,3 +81,14 @@ def printed_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, str]]:
             key, value = line.strip().split(": ", 1)
             groups[-1][key] = value
     return groups
+
+
+def failing_unless_checking(adam_step: Callable[..., None]) -> Callable[..., None]:
+    """``adam_step`` whose checks run and whose kernel calls raise: a kernel failing after the checks passed."""
+
+    def failing(*args: Any, check_only: bool = False, **kwargs: Any) -> None:
+        if not check_only:
+            raise RuntimeError("simulated kernel failure")
+        adam_step(*args, check_only=True, **kwargs)
+
+    return failing

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import printed_groups, raw
+from conftest import failing_unless_checking, printed_groups, raw
 from offload_helpers import (
     MASTER_ATOL,
     AdamWOracle,
@@ -560,3 +560,119 @@ def test_the_copy_path_used_on_gpus(monkeypatch: pytest.MonkeyPatch):
         assert_matches_oracle(opt, params, oracle)
     stats = opt.memory_stats()
     assert stats["device_bytes"] == 0 and 0 < stats["device_peak_bytes"] <= 3 * BUCKET * 2
+
+
+# -- guards a mutation audit found unguarded ----------------------------------------------------
+
+
+def _visible(model: nn.Module, opt: OffloadOptimizer) -> list:
+    """Every bit a user can see: weights, the public state dict, the last norm and the skips."""
+    state = opt.state_dict()
+    tensors = [raw(t) for g in state["state"].values() for t in g.values() if torch.is_tensor(t)]
+    counts = [g["param_steps"] for g in state["state"].values()]
+    return [raw(p) for p in model.parameters()] + tensors + [counts, opt.last_grad_norm, opt.skipped_steps]
+
+
+def _same_visible(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) if torch.is_tensor(x) else x == y for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("overlap", ["none", "backward"])
+def test_a_max_grad_norm_the_grads_stay_under_changes_nothing(overlap: str):
+    runs = []
+    for max_norm in (None, 1e6):
+        model = make_model(0)
+        opt = OffloadOptimizer(model.parameters(), **HYPER, bucket_size=BUCKET, max_grad_norm=max_norm, overlap=overlap)
+        for tokens in batches(4):
+            lm_loss(model, tokens).backward()
+            opt.step()
+            opt.zero_grad()
+        assert opt.last_grad_norm < 1e6
+        runs.append(_visible(model, opt))
+        opt.close()
+    assert _same_visible(runs[1], runs[0]), "a limit the grads stay under scaled them"
+
+
+@pytest.mark.parametrize("overlap", ["none", "backward"])
+@pytest.mark.parametrize("max_norm", [None, 1.0])
+@pytest.mark.parametrize("sign", [1.0, -1.0], ids=["+inf", "-inf"])
+def test_infinite_grads_skip_the_step_with_nothing_changed(sign: float, max_norm: float | None, overlap: str):
+    model = make_model(0)
+    opt = OffloadOptimizer(model.parameters(), **HYPER, bucket_size=BUCKET, max_grad_norm=max_norm, overlap=overlap)
+    data = batches(3)
+    for tokens in data[:2]:
+        lm_loss(model, tokens).backward()
+        opt.step()
+        opt.zero_grad()
+    before = _visible(model, opt)
+
+    def one_infinite_element(grad: torch.Tensor) -> torch.Tensor:  # the others finite: the norm is +inf, not NaN
+        grad = grad.clone()
+        grad.view(-1)[3] = sign * float("inf")
+        return grad
+
+    handle = model.fc1.weight.register_hook(one_infinite_element)
+    lm_loss(model, data[2]).backward()
+    handle.remove()
+    opt.step()
+    assert opt.last_grad_norm == float("inf") and opt.skipped_steps == 1
+    after = _visible(model, opt)
+    assert _same_visible(after[:-2], before[:-2]), "an infinite grad changed the weights or the state"
+    opt.close()
+
+
+def test_a_serial_step_whose_kernel_raises_changes_nothing_and_its_retry_equals_a_twin(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    def run(fail_at: int | None) -> list:
+        model = make_model(0)
+        opt = OffloadOptimizer(model.parameters(), **HYPER, bucket_size=BUCKET, max_grad_norm=0.5)
+        for step, tokens in enumerate(batches(4)):
+            lm_loss(model, tokens).backward()
+            if step == fail_at:
+                before = _visible(model, opt)
+                real = offload.stepper.adam_step
+                monkeypatch.setattr(offload.stepper, "adam_step", failing_unless_checking(real))
+                with pytest.raises(RuntimeError, match="simulated kernel failure"):
+                    opt.step()
+                monkeypatch.setattr(offload.stepper, "adam_step", real)
+                assert _same_visible(_visible(model, opt)[:-2], before[:-2]), "the failed step changed something"
+            opt.step()  # the retry, on the same grads
+            opt.zero_grad()
+        seen = _visible(model, opt)
+        opt.close()
+        return seen
+
+    assert _same_visible(run(fail_at=2), run(fail_at=None))
+
+
+def test_per_param_step_counts_round_trip_a_state_dict():
+    # fc1's params get no grad in some windows: their counts, and bias corrections, differ from the others'.
+    def train(model: nn.Module, opt: OffloadOptimizer, data: list, start: int) -> None:
+        for step, tokens in enumerate(data, start):
+            frozen = step % 3 == 1
+            model.fc1.requires_grad_(not frozen)
+            loss = lm_loss(model, tokens)
+            model.fc1.requires_grad_(True)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+    data = batches(8)
+    straight = make_model(0)
+    straight_opt = OffloadOptimizer(straight.parameters(), **HYPER, bucket_size=BUCKET)
+    train(straight, straight_opt, data, 0)
+
+    first = make_model(0)
+    first_opt = OffloadOptimizer(first.parameters(), **HYPER, bucket_size=BUCKET)
+    train(first, first_opt, data[:5], 0)
+    saved = copy.deepcopy(first_opt.state_dict())
+    counts = saved["state"][0]["param_steps"]
+    assert len(set(counts)) > 1, "the params skipped different numbers of steps"
+    resumed = make_model(0)
+    resumed.load_state_dict(first.state_dict())
+    resumed_opt = OffloadOptimizer(resumed.parameters(), **HYPER, bucket_size=BUCKET)
+    resumed_opt.load_state_dict(saved)
+    assert resumed_opt.state_dict()["state"][0]["param_steps"] == counts
+    train(resumed, resumed_opt, data[5:], 5)
+    assert _same_visible(_visible(resumed, resumed_opt), _visible(straight, straight_opt))

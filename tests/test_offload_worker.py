@@ -120,3 +120,20 @@ def test_stop_runs_the_jobs_queued():
     threading.Timer(0.05, gate.set).start()
     worker.stop()
     assert ran == [1]
+
+
+def test_a_wake_while_an_idle_error_is_pending_starts_no_unit_until_the_error_was_raised():
+    idle = Idle(units=4, fail_at=1)
+    worker = Worker(idle, 1)
+    worker.wake()
+    _until(lambda: idle.fail_at is None)  # unit 0 ran, unit 1 raised
+    worker.wake()  # before any wait: the error is still pending
+    time.sleep(0.1)
+    assert len(idle.done) == 1, "an idle unit ran while its predecessor's error was pending"
+    with pytest.raises(RuntimeError, match="idle unit failed"):
+        worker.wait(idle=True)
+    worker.wait(idle=True)  # raised once
+    worker.wake()
+    _until(lambda: not idle.left)
+    assert len(idle.done) == 4
+    worker.stop()

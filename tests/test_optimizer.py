@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import printed_groups, raw, ulp_distance
+from conftest import failing_unless_checking, printed_groups, raw, ulp_distance
 
 from cpu_adam import CPUAdam
 
@@ -322,6 +322,29 @@ def test_a_step_that_raises_changes_no_param_state_or_count(spoil, error, match)
         optimizer.step()
     for a, b in zip(_state_snapshot(optimizer, params), before):
         assert torch.equal(a, b)
+
+
+def test_a_kernel_call_that_raises_changes_nothing_and_its_retry_equals_a_twin(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cpu_adam import _compiled_step
+
+    def run(fail_at: int | None) -> list[torch.Tensor]:
+        params = make_params()
+        optimizer = CPUAdam(params, **HYPER)
+        for step in range(4):
+            for p, g in zip(params, grads_for(params, step)):
+                p.grad = g
+            if step == fail_at:
+                before = _state_snapshot(optimizer, params)
+                real = _compiled_step.adam_step
+                monkeypatch.setattr(_compiled_step, "adam_step", failing_unless_checking(real))
+                with pytest.raises(RuntimeError, match="simulated kernel failure"):
+                    optimizer.step()
+                monkeypatch.setattr(_compiled_step, "adam_step", real)
+                assert all(torch.equal(a, b) for a, b in zip(_state_snapshot(optimizer, params), before))
+            optimizer.step()  # the retry, on the same grads
+        return _state_snapshot(optimizer, params)
+
+    assert all(torch.equal(a, b) for a, b in zip(run(fail_at=2), run(fail_at=None)))
 
 
 # ---- torch.optim conventions ----

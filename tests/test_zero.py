@@ -108,6 +108,15 @@ def _parity_rank(rank: int, world_size: int, out: Path) -> None:
     norms = _train(model, opt, [tokens.chunk(world_size)[0] for tokens in data])
     torch.save(_snapshot(model, opt, norms=norms), out / f"same{rank}.pt")
 
+    # "limit-*": a max_grad_norm the grads stay under must change nothing, serial or overlapped.
+    for overlap in ("none", "backward"):
+        for limit in (None, 1e6):
+            model = make_model(0)
+            opt = _zero_opt(model, max_grad_norm=limit, overlap=overlap)
+            norms = _train(model, opt, halves[:4])
+            torch.save(_snapshot(model, opt, norms=norms), out / f"limit-{overlap}-{limit}{rank}.pt")
+            opt.close()
+
     linear = nn.Linear(256, 256, bias=False).to(torch.bfloat16)  # one aligned bucket: no padding
     stats = OffloadOptimizer(linear.parameters(), process_group=dist.group.WORLD).memory_stats()
     torch.save(stats, out / f"linear{rank}.pt")
@@ -315,6 +324,17 @@ def test_two_ranks_match_one_process_on_the_global_batch(parity_run: Path):
     for zero_norm, single_norm in zip(ranks[0]["norms"], norms):
         assert zero_norm == pytest.approx(single_norm, rel=2**-6)
     assert ranks[0]["norms"] == ranks[1]["norms"]
+
+
+@pytest.mark.parametrize("overlap", ["none", "backward"])
+def test_a_max_grad_norm_the_grads_stay_under_changes_nothing(parity_run: Path, overlap: str):
+    for unlimited, limited in zip(
+        _load(parity_run, f"limit-{overlap}-None"), _load(parity_run, f"limit-{overlap}-1000000.0")
+    ):
+        assert limited["norms"] == unlimited["norms"] and max(limited["norms"]) < 1e6
+        assert all(torch.equal(a, b) for a, b in zip(limited["weights"], unlimited["weights"]))
+        _assert_same_state(limited["state"], unlimited["state"])
+        assert limited["state"]["state"][0]["param_steps"] == unlimited["state"]["state"][0]["param_steps"]
 
 
 def test_the_mean_over_ranks_is_exact_when_the_ranks_see_the_same_batch(parity_run: Path):
