@@ -414,6 +414,38 @@ def test_a_tiny_eps_keeps_a_zero_grad_step_at_zero() -> None:
     assert torch.equal(p, w.detach())
 
 
+@pytest.mark.parametrize("state", ["f32", "bf16"])
+def test_the_l2_term_is_rounded_once_as_torchs(isa: str, state: str) -> None:
+    # g = -fl(p * wd): rounding the product first cancels g to 0, which torch's one rounding does not.
+    p = torch.randn(4099, generator=torch.Generator().manual_seed(3))
+    wd = 0.1
+    g = -(p * wd)
+    expected = g.add(p, alpha=wd)  # what torch.optim.Adam adds to the grad
+    assert bool((expected != 0).all())
+    m, v = torch.zeros(p.numel(), dtype=DTYPES[state]), torch.zeros(p.numel(), dtype=DTYPES[state])
+    # beta1 = 0: the first moment becomes the grad the step used, exactly (rounded to the state's dtype).
+    ops.adam_step(
+        [p.clone()], [g], [m], [v], step=1, lr=1e-3, beta1=0.0, beta2=0.999, eps=0.0, weight_decay=wd, adamw_mode=False
+    )
+    assert_same_bits(m, expected.to(m.dtype), f"{isa}: the first moment")
+
+
+def test_adam_with_l2_and_eps_0_steps_as_torch_where_the_grad_cancels_the_decay() -> None:
+    p = torch.randn(1000, generator=torch.Generator().manual_seed(4))
+    wd, lr = 0.1, 1e-3
+    ours, theirs = p.clone().requires_grad_(), p.clone().requires_grad_()
+    grad = -(p * wd)
+    optimizers = [
+        CPUAdam([ours], lr=lr, eps=0.0, weight_decay=wd, adamw_mode=False),
+        torch.optim.Adam([theirs], lr=lr, eps=0.0, weight_decay=wd, foreach=False),
+    ]
+    for t, optimizer in zip((ours, theirs), optimizers):
+        t.grad = grad.clone()
+        optimizer.step()
+    assert bool(ours.isfinite().all()), "0 / 0 where torch's grad is not 0"
+    torch.testing.assert_close(ours, theirs, rtol=2**-22, atol=0)
+
+
 def test_a_failed_cpuadam_step_changes_no_count(monkeypatch: pytest.MonkeyPatch) -> None:
     w = torch.nn.Parameter(torch.randn(8))
     optimizer = CPUAdam([w], lr=0.1)

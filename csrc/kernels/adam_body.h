@@ -49,6 +49,7 @@ struct ScalarOps {
   static F mul(F a, F b) { return a * b; }
   static F div(F a, F b) { return a / b; }
   static F sqrt(F a) { return std::sqrt(a); }
+  static F fma(F a, F b, F c) { return std::fma(a, b, c); }
 
   static H bf16_nearest(F x) {
     const uint32_t u = f32_bits(x);
@@ -69,6 +70,21 @@ struct ScalarOps {
 template <class T>
 constexpr bool is_bf16 = sizeof(T) == 2;
 
+// g + p * l2 rounded once, as torch's grad.add(param, alpha=weight_decay): rounding the product
+// first leaves a residue where g = -p * l2 gives torch 0 (and, with eps = 0, an update of 0 / 0).
+// The one multiply-add the kernels fuse on purpose: the ARM build that checks that the compiler
+// fused nothing (tests/arm/run.sh) keeps its two halves apart instead.
+template <class V, class F>
+inline F with_l2(F g, F p, float l2) {
+#if defined(CPU_ADAM_CHECK_NO_FUSION)
+  F product = V::mul(p, V::set1(l2));
+  __asm__ volatile("" : "+w"(product));
+  return V::add(g, product);
+#else
+  return V::fma(p, V::set1(l2), g);
+#endif
+}
+
 // One vector of elements from i on. Memory goes through `ops`, which a kernel may
 // narrow to the first lanes (a predicated tail); the arithmetic runs on every lane.
 // kRoot: exp_avg_sq holds float32 roots sqrt(v) (the decoded 8-bit state), read
@@ -86,7 +102,7 @@ inline void update(int64_t i, const Segment& s, const Hyper& h, V ops = {}) {
   F m = ops.load(exp_avg);
   F v = ops.load(exp_avg_sq);
   g = V::mul(g, V::set1(h.grad_scale));
-  if (h.l2 != 0.0f) g = V::add(g, V::mul(p, V::set1(h.l2)));
+  if (h.l2 != 0.0f) g = with_l2<V>(g, p, h.l2);
   p = V::mul(p, V::set1(h.decay));
   m = h.lerp_from_grad ? V::sub(g, V::mul(V::sub(g, m), V::set1(h.one_minus_weight)))
                        : V::add(m, V::mul(V::sub(g, m), V::set1(h.one_minus_beta1)));

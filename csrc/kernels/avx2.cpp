@@ -50,6 +50,7 @@ struct Avx2Ops {
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static F div(F a, F b) { return _mm256_div_ps(a, b); }
   static F sqrt(F a) { return _mm256_sqrt_ps(a); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
 
   static H keep_nan(F x, U rounded) {
     const U quiet = _mm256_or_si256(_mm256_srli_epi32(_mm256_castps_si256(x), 16), splat(kBf16QuietBit));

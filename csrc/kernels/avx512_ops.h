@@ -42,6 +42,7 @@ struct Avx512Ops {
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static F div(F a, F b) { return _mm512_div_ps(a, b); }
   static F sqrt(F a) { return _mm512_sqrt_ps(a); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
 
   static H keep_nan(F x, U rounded) {
     const U quiet = _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(x), 16), splat(kBf16QuietBit));

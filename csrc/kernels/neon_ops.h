@@ -37,6 +37,7 @@ struct NeonOps {
   static F mul(F a, F b) { return vmulq_f32(a, b); }
   static F div(F a, F b) { return vdivq_f32(a, b); }
   static F sqrt(F a) { return vsqrtq_f32(a); }
+  static F fma(F a, F b, F c) { return vfmaq_f32(c, a, b); }  // c + a * b
 
   // The upper halves of `wide` (32-bit lanes), narrowed to 16 bits.
   static H high_halves(U wide) { return vshrn_n_u32(wide, 16); }

@@ -64,6 +64,7 @@ struct SveOps {
   static F mul(F a, F b) { return svmul_f32_x(all(), a, b); }
   static F div(F a, F b) { return svdiv_f32_x(all(), a, b); }
   static F sqrt(F a) { return svsqrt_f32_x(all(), a); }
+  static F fma(F a, F b, F c) { return svmla_f32_x(all(), c, a, b); }  // c + a * b
 
   static H keep_nan(F x, U rounded) {
     const U quiet = svorr_n_u32_x(all(), svlsr_n_u32_x(all(), svreinterpret_u32_f32(x), 16), kBf16QuietBit);
