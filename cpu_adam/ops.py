@@ -23,7 +23,9 @@ __all__ = [
     "adam_step",
     "bandwidth_probe",
     "compiled_isas",
+    "fold_hyper",
     "force_isa",
+    "random_key",
     "supported_isas",
     "threads_for",
 ]
@@ -204,6 +206,47 @@ def adam_step(
         # (per-tensor Python checks on every step cost more than the checks in C++).
         _check_all(params, grads, exp_avgs, exp_avg_sqs, outs)
         raise
+
+
+class FoldedHyper(NamedTuple):
+    """The step's scalars as the kernel computes with them (float32 values), folded as ``adam_step`` folds them."""
+
+    step_size: float
+    inv_bc2_sqrt: float
+    eps: float
+    decay: float
+    l2: float
+    grad_scale: float
+    one_minus_beta1: float
+    lerp_from_grad: bool
+    one_minus_weight: float
+    beta2: float
+    one_minus_beta2: float
+
+
+def fold_hyper(
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float = 0.0,
+    adamw_mode: bool = True,
+    bias_correction: bool = True,
+    grad_scale: float = 1.0,
+) -> FoldedHyper:
+    """The scalars ``adam_step`` would compute with, for a kernel elsewhere that must use the very same floats;
+    raises what ``adam_step`` raises for them."""
+    b1, b2 = (_bias_correction(b, step) if bias_correction else 1.0 for b in (beta1, beta2))
+    folded = list(_ops().fold_hyper(lr, beta1, beta2, eps, weight_decay, adamw_mode, b1, b2, grad_scale, step))
+    folded[7] = folded[7] != 0.0
+    return FoldedHyper(*folded)
+
+
+def random_key(seed: int, step: int, high: int) -> int:
+    """The key (uint32) of the random bits of the counters whose high 32 bits are ``high``, at ``seed`` and ``step``."""
+    return int(_ops().random_key(seed, step, high)) & 0xFFFFFFFF
 
 
 def _bias_correction(beta: float, step: int) -> float:

@@ -260,6 +260,32 @@ void check_adam_step(const std::vector<Tensor>& params, const std::vector<Tensor
   check_tensors({&params, &grads, &exp_avgs, &exp_avg_sqs, &bf16_outs, &state_scales, &kNone}, counter_offsets);
 }
 
+// The scalars as adam_step_ folds them, for kernels elsewhere (the device's) that must compute with the very
+// same floats: step_size, inv_bc2_sqrt, eps, decay, l2, grad_scale, one_minus_beta1, lerp_from_grad (0 or 1),
+// one_minus_weight, beta2, one_minus_beta2. Refuses what adam_step_ refuses.
+std::vector<double> fold_hyper_scalars(double lr, double beta1, double beta2, double eps, double weight_decay,
+                                       bool adamw_mode, double bias_correction1, double bias_correction2,
+                                       double grad_scale, int64_t step) {
+  const Hyper h = adam_hyper(lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction1, bias_correction2,
+                             grad_scale, false, step);
+  return {h.step_size,
+          h.inv_bc2_sqrt,
+          h.eps,
+          h.decay,
+          h.l2,
+          h.grad_scale,
+          h.one_minus_beta1,
+          h.lerp_from_grad ? 1.0 : 0.0,
+          h.one_minus_weight,
+          h.beta2,
+          h.one_minus_beta2};
+}
+
+// The key of the random bits of the counters whose high 32 bits are `high`, at (seed, step).
+int64_t random_key(int64_t seed, int64_t step, int64_t high) {
+  return rng_key(seed, step, static_cast<uint64_t>(high));
+}
+
 ProbeVariant probe_variant(const std::string& name) {
   if (name == "plain") return ProbeVariant::plain;
   if (name == "prefetched") return ProbeVariant::prefetched;
@@ -318,6 +344,11 @@ TORCH_LIBRARY(cpu_adam, m) {
   m.def(
       "bandwidth_probe_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
       "Tensor(d!)[] bf16_outs, Tensor(e!)[] state_scales, str variant) -> ()");
+  m.def(
+      "fold_hyper(float lr, float beta1, float beta2, float eps, float weight_decay, bool adamw_mode, "
+      "float bias_correction1, float bias_correction2, float grad_scale, int step) -> float[]",
+      &fold_hyper_scalars);
+  m.def("random_key(int seed, int step, int high) -> int", &random_key);
   m.def("compiled_isas() -> str[]", &compiled_isa_names);
   m.def("supported_isas() -> str[]", &supported_isa_names);
   m.def("active_isa() -> str", &active_isa_name);
