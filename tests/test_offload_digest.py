@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -124,8 +124,16 @@ def _state_items(state_dict: dict[str, Any]) -> list[tuple[str, Any]]:
 
 
 def run_scenario(
-    name: str, device: str, *, overlap: str = "none", process_group: Any = None, rank: int = 0, world_size: int = 1
+    name: str,
+    device: str,
+    *,
+    overlap: str = "none",
+    process_group: Any = None,
+    rank: int = 0,
+    world_size: int = 1,
+    share: Callable[[int], float] | None = None,
 ) -> str:
+    """The digest of a scenario; ``share(step)``: the device's share of the elements from that step on."""
     options = dict(CONFIGS[name], overlap=overlap)
     clip = options.pop("clip", None)
     model = WithSide()
@@ -135,6 +143,8 @@ def run_scenario(
     items: list[tuple[str, Any]] = []
     n = 0
     for step, (micro, side_in) in enumerate(SCHEDULE):
+        if share is not None:
+            opt.device_fraction = share(step)
         for m in range(micro):
             tokens = data[n].chunk(world_size)[rank]
             n += 1

@@ -18,6 +18,7 @@ import importlib.util
 import math
 import platform
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -25,7 +26,7 @@ from torch import Tensor
 from .. import ops
 from ..quant8 import BLOCK as Q8_BLOCK
 
-__all__ = ["adam_step", "available", "missing_reason"]
+__all__ = ["Launches", "adam_step", "available", "missing_reason", "prepare_step"]
 
 # Elements per launch at most: a multiple of the 8-bit block whose counters cross a 2^32 boundary at most once.
 _PIECE = 2**30
@@ -74,11 +75,58 @@ def adam_step(
     state_scales: Sequence[Tensor] | None = None,
     before_rounding: bool | None = None,
 ) -> None:
-    """``cpu_adam.ops.adam_step`` on device tensors, bit for bit; every tensor contiguous.
+    """``cpu_adam.ops.adam_step`` on device tensors, bit for bit; every tensor contiguous (8-bit scales: each row).
 
     ``before_rounding``: flush results that are tiny before rounding (an AArch64 host's rule) or
     after (x86-64's); by default this host's.
     """
+    prepare_step(**{name: value for name, value in locals().items()})()
+
+
+class Launches:
+    """The kernel launches of a step, checked and compiled: calling it writes the tensors."""
+
+    def __init__(self) -> None:
+        self._launches: list[tuple[Any, tuple, tuple, dict[str, Any]]] = []
+
+    def add(self, kernel: Any, grid: tuple, args: tuple, kwargs: dict[str, Any]) -> None:
+        variant = (kernel, *sorted(kwargs.items()))
+        if variant not in _compiled:  # a compile error is raised here, before anything is written
+            kernel.warmup(*args, grid=grid, **kwargs)
+            _compiled.add(variant)
+        self._launches.append((kernel, grid, args, kwargs))
+
+    def __call__(self) -> None:
+        for kernel, grid, args, kwargs in self._launches:
+            kernel[grid](*args, **kwargs)
+
+
+_compiled: set[tuple] = set()
+
+
+def prepare_step(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float = 0.0,
+    adamw_mode: bool = True,
+    bias_correction: bool = True,
+    grad_scale: float = 1.0,
+    bf16_outs: Sequence[Tensor] | None = None,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
+    counter_offsets: Sequence[int] | None = None,
+    state_scales: Sequence[Tensor] | None = None,
+    before_rounding: bool | None = None,
+) -> Launches:
+    """``adam_step`` up to its first write: every check made and every kernel compiled; call the result to step."""
     reason = missing_reason()
     if reason is not None:
         raise RuntimeError(f"cpu_adam: {reason}")
@@ -89,8 +137,9 @@ def adam_step(
     outs = list(bf16_outs) if bf16_outs is not None else []
     scales = list(state_scales) if state_scales is not None else []
     _check(params, grads, exp_avgs, exp_avg_sqs, outs, scales)
+    launches = Launches()
     if not params:
-        return
+        return launches
     h = ops.fold_hyper(
         step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode,
         bias_correction=bias_correction, grad_scale=grad_scale,
@@ -130,15 +179,16 @@ def adam_step(
             tensors = [_bits(t, begin, end) for t in (param, grads[i], exp_avgs[i], exp_avg_sqs[i])]
             tensors.append(_bits(out, begin, end) if out is not None else tensors[0])
             if eight_bit:
-                blocks = scales[i].shape[1]
-                tensors.append(scales[i].view(-1)[begin // Q8_BLOCK :])
+                tensors.append(scales[i][0, begin // Q8_BLOCK :])  # its row 1 lies a row stride further
                 grid = (-(-(end - begin) // (Q8_BLOCK * rows)),)
-                sizes, tile = (end - begin, blocks), dict(ROWS=rows)
+                sizes, tile = (end - begin, scales[i].stride(0)), dict(ROWS=rows)
             else:
                 grid = (-(-(end - begin) // block),)
                 sizes, tile = (end - begin,), dict(BLOCK=block)
             counters = (_signed(low), _signed(keys[0]), _signed(keys[1]), wrap)
-            kernel[grid](*tensors, *sizes, *counters, *floats, **kinds, **flags, **tile, enable_fp_fusion=False)
+            options = dict(**kinds, **flags, **tile, enable_fp_fusion=False)
+            launches.add(kernel, grid, (*tensors, *sizes, *counters, *floats), options)
+    return launches
 
 
 def _code(dtype: torch.dtype) -> int:
@@ -187,7 +237,7 @@ def _check(
     for i, p in enumerate(params):
         tuple_ = {"param": p, **{name[:-1]: ts[i] for name, ts in lists.items()}}
         for name, t in tuple_.items():
-            if not t.is_contiguous():
+            if not (t.is_contiguous() or (name == "state_scale" and t.dim() == 2 and t.stride(1) == 1)):
                 raise ValueError(f"cpu_adam: the device step takes contiguous tensors; {name} {i} is not")
         if p.dtype not in _FLOAT or grads[i].dtype not in _FLOAT:
             raise TypeError(

@@ -143,19 +143,19 @@ def adam_kernel(
 
 @triton.jit
 def adam_q8_kernel(
-    param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, out_ptr, scales_ptr, n, blocks,
+    param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, out_ptr, scales_ptr, n, scale_stride,
     first_counter, key, key_after_wrap, wrap,
     step_size, inv_bc2_sqrt, eps, decay, l2, grad_scale, one_minus_beta1, one_minus_weight, beta2, one_minus_beta2,
     PARAM: tl.constexpr, GRAD: tl.constexpr, HAS_OUT: tl.constexpr, STOCHASTIC: tl.constexpr,
     HAS_L2: tl.constexpr, LERP_FROM_GRAD: tl.constexpr, BEFORE_ROUNDING: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
-    """``scales_ptr``: the segment's first block in a [2, ``blocks``] float32 tensor (exp_avg's, then the root's)."""
+    """``scales_ptr``: the segment's first block's exp_avg scale; its root's lies ``scale_stride`` further."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     offsets = rows[:, None] * 256 + tl.arange(0, 256)[None, :]
     mask = offsets < n
     row_mask = rows * 256 < n
     m_scale = load_scale(scales_ptr, rows, row_mask)[:, None]
-    u_scale = load_scale(scales_ptr + blocks, rows, row_mask)[:, None]
+    u_scale = load_scale(scales_ptr + scale_stride, rows, row_mask)[:, None]
     m = decode_avg(tl.load(exp_avg_ptr + offsets, mask=mask, other=0), m_scale, BEFORE_ROUNDING)
     u = decode_root(tl.load(exp_avg_sq_ptr + offsets, mask=mask, other=0), u_scale, BEFORE_ROUNDING)
     g = _load(grad_ptr, offsets, mask, GRAD)
@@ -172,5 +172,5 @@ def adam_q8_kernel(
     tl.store(exp_avg_ptr + offsets, m_codes, mask=mask)
     tl.store(exp_avg_sq_ptr + offsets, u_codes, mask=mask)
     tl.store(scales_ptr + rows, from_bits(m_scale_bits), mask=row_mask)
-    tl.store(scales_ptr + blocks + rows, from_bits(u_scale_bits), mask=row_mask)
+    tl.store(scales_ptr + scale_stride + rows, from_bits(u_scale_bits), mask=row_mask)
     _store_param(param_ptr, out_ptr, offsets, mask, p, first, k0, k1, wrap, PARAM, HAS_OUT, STOCHASTIC)

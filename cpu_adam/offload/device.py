@@ -109,11 +109,23 @@ class DeviceOps:
         on the host device (None, ``host``) itself."""
         if self.host_addressable:
             return None, host
-        buffer = torch.empty(numel, dtype=host.dtype, device=self.device)
-        self.peak_bytes = max(self.peak_bytes, self.held_bytes + _nbytes(buffer))  # short-lived: counts in the peak
+        buffer = self.scratch(torch.empty(numel, dtype=host.dtype, device=self.device))
         piece = buffer[at : at + host.numel()]
         self.copy(piece, host)
         return buffer, piece
+
+    def scratch(self, t: Tensor) -> Tensor:
+        """A short-lived device tensor: counted in the peak, not held."""
+        if not self.host_addressable:
+            self.peak_bytes = max(self.peak_bytes, self.held_bytes + _nbytes(t))
+        return t
+
+    def on_compute(self, t: Tensor) -> Tensor:
+        """``t``, which the side stream made, is used by the compute stream from now on: its memory is not handed
+        out again before that work is done."""
+        if self.is_cuda:
+            t.record_stream(torch.cuda.current_stream(self.device))
+        return t
 
     def hold(self, t: Tensor) -> Tensor:
         """Counts a device tensor the optimizer keeps until ``release``."""

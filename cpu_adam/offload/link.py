@@ -16,6 +16,10 @@ Up: the piece goes up into its place in a bucket buffer on the device in one cop
 there (NCCL allows it in place when the input is the rank's part of the output), and is scattered
 into the params' own storage by the device. Where the device is the host and the world is one
 process, the kernel writes the weights straight into the params (``direct``) and nothing moves.
+
+A bucket the device steps (``share.py``) moves neither way: its grads are reduced and their norms
+taken as any bucket's, and kept on the device (``kept``); its new weights are written into a
+bucket buffer on the device (``device_weights``) and spread from there as uploaded ones are.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from torch import Tensor
 
 from .device import DeviceOps, Event, HostBuffer
 from .layout import FlatLayout
+from .share import Share
 from .world import World
 
 __all__ = ["SLOT_DTYPE", "Landing", "Link", "Slot"]
@@ -61,12 +66,14 @@ class Link:
         layouts: list[FlatLayout | None],
         params: list[list[Tensor]],
         max_inflight: int,
+        share: Share,
     ) -> None:
         self._dev = dev
         self._world = world
         self._layouts = layouts
         self._params = params
         self._max_inflight = max_inflight
+        self._share = share
         self.buffers = [
             None if layout is None else dev.host_buffer(layout.shard_numel, SLOT_DTYPE) for layout in layouts
         ]
@@ -75,6 +82,7 @@ class Link:
         }
         self._events: dict[tuple[int, int], Event] = {}
         self._inflight: deque[tuple[tuple[int, int], Event, list[Tensor]]] = deque()
+        self._kept: dict[tuple[int, int], tuple[Event, list[Tensor], Tensor]] = {}  # the device's buckets: grads
         self._norm_plans: dict[tuple[int, int], tuple[Tensor, list[slice]]] = {}
         self.direct = dev.kernel_writes_params(world.size)
         self.upload_seconds = 0.0  # the host's time in uploads, all of them where the device is the host
@@ -100,10 +108,13 @@ class Link:
     # -- down -------------------------------------------------------------------------------
 
     def down(self, g: int, b: int, staging: Tensor, *, take_norms: bool) -> Landing:
-        """Sends bucket ``b``'s packed grads (this rank's piece of their sum) into its slot."""
+        """Sends bucket ``b``'s packed grads (this rank's piece of their sum) into its slot, or, for a bucket the
+        device steps, keeps them there."""
         where = self._layouts[g].host_slice(b)
+        keep = self._share.on_device(g, b)
         held = [staging]
-        self._ready_to_receive(g, b)
+        if not keep:
+            self._ready_to_receive(g, b)
         with self._dev.side_stream():
             host = self.buffers[g].tensor[where[1]] if where is not None else None
             mine = self._world.reduce_scatter(staging, into=self._dev.writable_host(host))
@@ -114,8 +125,13 @@ class Link:
                 mine = mine[where[0]] if mine is staging else mine
                 if take_norms:
                     params, sq = self._norms(g, b, mine)
-                self._dev.copy(host, mine)
+                if not keep:
+                    self._dev.copy(host, mine)
             event = self._dev.record()
+        if keep:
+            self._drop_kept((g, b))
+            self._kept[(g, b)] = (event, held, mine)
+            return Landing(event, params, sq)
         self.slots[(g, b)] = Slot.RECEIVING
         self._events[(g, b)] = event
         self._inflight.append(((g, b), event, held))
@@ -143,11 +159,25 @@ class Link:
         return self._norm_plans[(g, b)]
 
     def landed(self, g: int, b: int) -> Tensor:
-        """Bucket ``b``'s slot, once the grads sent down to it have landed."""
+        """Bucket ``b``'s slot, once the grads sent down to it have landed; for a bucket the device steps, its
+        grads kept on the device, once the compute stream has them."""
+        if (g, b) in self._kept:
+            event, _, mine = self._kept[(g, b)]
+            self._dev.compute_waits(event)
+            return self._dev.on_compute(mine)
         if self.slots[(g, b)] == Slot.RECEIVING:
             self._dev.wait_host(self._events.pop((g, b)))
             self.slots[(g, b)] = Slot.GRADS
         return self._slot(g, b)
+
+    def _drop_kept(self, key: tuple[int, int]) -> None:
+        if key in self._kept:
+            self._dev.release(self._kept.pop(key)[1])
+
+    def drop_kept(self) -> None:
+        """The device's buckets' grads are no longer needed (the window ended)."""
+        for key in list(self._kept):
+            self._drop_kept(key)
 
     def wait_all(self) -> None:
         """Returns once every copy down has landed in its slot."""
@@ -210,6 +240,33 @@ class Link:
             raise RuntimeError(f"cpu_adam.OffloadOptimizer: bucket {b} of group {g} is uploaded while its grads land")
         host = source[piece.host : piece.host + piece.numel]
         into, mine = self._dev.piece_on_device(host, bucket.numel, piece.flat - bucket.start)
+        self.spread(g, b, wanted, into, mine)
+        if source is self.buffers[g].tensor:
+            self.slots[(g, b)] = Slot.UPLOADING
+            self._events[(g, b)] = self._dev.record()
+        self.upload_seconds += time.perf_counter() - t
+
+    def device_weights(self, g: int, b: int) -> tuple[Tensor, Tensor]:
+        """(a zeroed bf16 buffer of bucket ``b`` on the device, this rank's piece of it): where the device's step
+        of the bucket writes its new weights, to be ``spread``."""
+        piece, bucket = self._layouts[g].pieces[b], self._layouts[g].buckets[b]
+        into = self._dev.scratch(torch.zeros(bucket.numel, dtype=SLOT_DTYPE, device=self._dev.device))
+        start = piece.flat - bucket.start
+        return into, into[start : start + piece.numel]
+
+    def gather_weights(self, g: int, b: int, mine: Tensor) -> None:
+        """This rank's piece of bucket ``b``'s weights, from the params into ``mine`` (its padding left as it is)."""
+        segments = self._layouts[g].piece_segments(b)
+        first = self._layouts[g].pieces[b].host
+        targets = [mine[host.start - first : host.stop - first] for _, _, host in segments]
+        if targets:
+            torch._foreach_copy_(targets, [self._params[g][i].detach().view(-1)[part] for i, part, _ in segments])
+
+    def spread(self, g: int, b: int, wanted: list[bool], into: Tensor | None, mine: Tensor) -> None:
+        """Bucket ``b``'s new weights, this rank's piece ``mine`` (in place in ``into`` on the device, if given),
+        gathered from every rank and copied into the params ``wanted``."""
+        layout = self._layouts[g]
+        bucket = layout.buckets[b]
         gathered = self._world.all_gather(mine, into=into)
         targets, sources = [], []
         for i, lo, hi, _ in layout.segments(bucket.start, bucket.end, 0):
@@ -219,13 +276,10 @@ class Link:
                 sources.append(gathered[lo - bucket.start : hi - bucket.start])
         if targets:  # one launch on the device for all the bucket's params, small ones included
             torch._foreach_copy_(targets, sources, non_blocking=True)
-        if source is self.buffers[g].tensor:
-            self.slots[(g, b)] = Slot.UPLOADING
-            self._events[(g, b)] = self._dev.record()
-        self.upload_seconds += time.perf_counter() - t
 
     def close(self) -> None:
         self._dev.synchronize()
+        self.drop_kept()
         for buffer in self.buffers:
             if buffer is not None:
                 buffer.close()

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .. import device_kernel
 from .._precision import resolved_precision, state_dtype
 from .._signals import interrupts_deferred
 from .._validation import check_hyper_parameters, check_param_group, checked_seed
@@ -31,6 +32,7 @@ from . import state_dict as checkpoint
 from .options import DEFAULT_BUCKET_SIZE, check_options, checked_max_grad_norm
 from .params import claim, param_groups, release
 from .placeholder import OffloadedGrad
+from .share import buckets_for, checked_fraction
 
 __all__ = ["OffloadOptimizer"]
 
@@ -93,11 +95,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
         seed: int | None = None,
         device: str | torch.device | None = None,
         overlap: str = "none",
+        device_fraction: float = 0.0,
     ) -> None:
         check_hyper_parameters(OWNER, lr, betas, eps, weight_decay)
         self.state_precision = resolved_precision(OWNER, state_precision, fp32_optimizer_states)
         seed = None if seed is None else checked_seed(OWNER, seed)
         check_options(master_weights_dtype, stochastic_rounding, max_inflight_buckets, overlap)
+        device_fraction = checked_fraction(device_fraction)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode)
         self._building = True
         super().__init__(param_groups(params), defaults)
@@ -128,9 +132,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
             stochastic_rounding,
             max_inflight_buckets,
             overlap,
+            device_fraction,
         )
         hyper_of = lambda g, scale: self._hyper(self.param_groups[g], scale)  # noqa: E731
         self._rooms, self.seed = house.build(trainable, device, process_group, options, seed, hyper_of)
+        self._device_fraction = device_fraction
         # Wrappers that copy this __dict__ (Lightning's) are other objects: they must not close it.
         # An id, not a weak reference: the cycle collector clears those before __del__ runs.
         self._owner_id = id(self)
@@ -153,6 +159,23 @@ class OffloadOptimizer(torch.optim.Optimizer):
     @max_grad_norm.setter
     def max_grad_norm(self, value: float | None) -> None:
         self._max_grad_norm = checked_max_grad_norm(value)
+
+    @property
+    def device_fraction(self) -> float:
+        """The share of each group's elements whose Adam runs on the device (its state in device memory), bitwise
+        as on the host. Set between steps (on every rank alike): it applies from the next window that has no grads
+        yet, and the state moves at its step."""
+        return self._device_fraction
+
+    @device_fraction.setter
+    def device_fraction(self, value: float) -> None:
+        value = checked_fraction(value)
+        if value > 0 and not device_kernel.available():
+            raise RuntimeError(f"cpu_adam.OffloadOptimizer: device_fraction={value}: {device_kernel.missing_reason()}")
+        self._device_fraction = value
+        self._rooms.share.request(buckets_for(self._rooms.layouts, value))
+        if not self._rooms.window.begun:
+            self._rooms.share.begin()
 
     @property
     def world_size(self) -> int:
@@ -210,11 +233,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
         t0 = time.perf_counter()
         uploads_s, wait_s = r.link.upload_seconds, r.overlap.wait_seconds
         r.link.wait_all()
-        if not r.model.in_sync():
-            r.overlap.settle()  # the masters are about to be taken from the weights: the commits first
+        if not r.model.in_sync():  # the masters are about to be taken from the weights: the commits first
+            r.overlap.settle()
+            r.device_store.write_back()
         t1 = time.perf_counter()
         r.model.check_storage()
         synced = r.model.sync_masters(r.store)
+        if synced:
+            r.device_store.reload()
+        r.device_store.place(r.share.keys)
         self.last_step_overlapped = False
         finished = r.window.finish(self.max_grad_norm)
         self.last_grad_norm = finished.norm
@@ -232,19 +259,24 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 for o, layout in zip(self.param_groups, r.layouts)
             ]
             r.stepper.check(hypers, finished.got)
+            device_part = r.device_stepper.prepare(hypers, finished)  # what may fail there, before anything changes
             with r.dev.uploading():  # after what the compute stream still does with the weights
                 self.last_step_overlapped = r.overlap.upload(hypers, finished, synced)
                 for g, hyper in enumerate(hypers):
-                    if hyper is None:
-                        continue
-                    for chunk in [] if self.last_step_overlapped else r.stepper.chunks[g]:
+                    for chunk in [] if self.last_step_overlapped or hyper is None else r.stepper.chunks[g]:
                         r.stepper.step(chunk, hyper, finished.grads, finished.got[g])
                         for b in range(chunk.first, chunk.last):  # overlapping the next chunk's compute
                             r.link.up(g, b, finished.got[g])
+            t3 = time.perf_counter()
+            r.device_stepper.run(device_part)  # queued on the device behind the backward, in its order
+            device_s = time.perf_counter() - t3
+            for g, hyper in enumerate(hypers):
+                if hyper is not None:
                     r.model.note_versions(g)  # the optimizer's own writes
         self._new_window()
         # adam_s includes uploads_s: the host's part of the uploads (all of them where the device is the host).
         self.step_timings = {"grads_wait_s": t1 - t0, "norm_s": t2 - t1, "adam_s": time.perf_counter() - t2}
+        self.step_timings["device_launch_s"] = device_s if finished.scale is not None else 0.0
         self.step_timings["uploads_s"] = r.link.upload_seconds - uploads_s
         self.step_timings["overlap_wait_s"] = r.overlap.wait_seconds - wait_s  # for the worker's passes
 
@@ -265,7 +297,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def _new_window(self) -> None:
         self._rooms.window.reset()
         self._rooms.hooks.reset()
+        self._rooms.link.drop_kept()
         self._rooms.overlap.reset()
+        self._rooms.share.begin()
 
     def _warn_no_grads(self) -> None:
         if not self._warned_no_grads:
@@ -303,6 +337,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._new_window()
         self._rooms.overlap.close()
         self._rooms.link.close()
+        self._rooms.device_store.close()
         release(self._rooms.model.params, self)
 
     # -- memory and checkpoints ---------------------------------------------------------------
@@ -333,7 +368,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         refusals.check_open(self._closed, "state_dict")
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
-        self._rooms.overlap.settle()
+        house.synced_state(self._rooms)
         scalars = checkpoint.Scalars(self.seed, self.skipped_steps, self.max_grad_norm)
         state_dict = checkpoint.save(self._rooms, self.param_groups, scalars)
         for post_hook in self._optimizer_state_dict_post_hooks.values():
@@ -359,6 +394,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 state_dict = returned
         self._rooms.overlap.settle()
         self.seed, self.skipped_steps, self.max_grad_norm = checkpoint.load(self._rooms, self.param_groups, state_dict)
+        self._rooms.device_store.reload()
         self._new_window()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)

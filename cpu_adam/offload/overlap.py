@@ -41,6 +41,7 @@ from .deferred import DeferredSteps
 from .device import DeviceOps, HostBuffer
 from .layout import FlatLayout
 from .link import SLOT_DTYPE, Landing, Link
+from .share import Share
 from .stepper import Chunk, Stepper, run
 from .store import Store
 from .window import Finished, Window
@@ -93,8 +94,10 @@ class BackwardOverlap:
         store: Store,
         link: Link,
         hyper_of: Callable[[int, float], dict[str, Any]],
+        share: Share,
     ) -> None:
         self._dev = dev
+        self._share = share  # its buckets are stepped on the device at step(), not here
         self._world = world
         self._layouts = layouts
         self._window = window
@@ -143,6 +146,8 @@ class BackwardOverlap:
     def landed(self, g: int, b: int, landing: Landing) -> None:
         """A bucket's grads went down: the worker commits its deferred step and previews this one."""
         key = (g, b)
+        if self._share.on_device(g, b):
+            return
         if self._window.landings(g, b) != 1:
             self._previews.pop(key, None)  # a second contribution: the preview no longer holds
             return
@@ -243,7 +248,7 @@ class BackwardOverlap:
             got = finished.got[g]
             for b in range(len(layout.buckets)):
                 members = self._stepper.members_of(Chunk(g, b, b + 1))
-                if not any(got[i] for i in members):
+                if self._share.on_device(g, b) or not any(got[i] for i in members):
                     continue
                 preview = self._previews.get((g, b))
                 if (
@@ -306,7 +311,7 @@ class BackwardOverlap:
             steps = list(self._stepper.steps(g))
             for b in range(len(layout.buckets)):
                 chunk = Chunk(g, b, b + 1)
-                if any(finished.got[g][i] for i in self._stepper.members_of(chunk)):
+                if not self._share.on_device(g, b) and any(finished.got[g][i] for i in self._stepper.members_of(chunk)):
                     if remade:
                         grads = {(g, b): self.spare[g].tensor}
                         got = finished.got[g]

@@ -11,8 +11,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .. import device_kernel
 from .._precision import state_dtype
 from .device import DeviceOps
+from .device_stepper import DeviceStepper
+from .device_store import DeviceStore
 from .handover import check_sources, hand_over, target_device
 from .hooks import Hooks
 from .layout import FlatLayout
@@ -20,12 +23,13 @@ from .link import Link
 from .overlap import BackwardOverlap, NoOverlap
 from .params import ModelSide, check_no_shared_memory, check_params, check_unclaimed
 from .schedule import schedule_for
+from .share import Share, buckets_for
 from .stepper import Stepper
 from .store import HostStore, Store
 from .window import Window
 from .world import World, world_of
 
-__all__ = ["Options", "Rooms", "build", "master_weights", "memory_stats"]
+__all__ = ["Options", "Rooms", "build", "master_weights", "memory_stats", "synced_state"]
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,7 @@ class Options:
     stochastic_rounding: bool
     max_inflight_buckets: int
     overlap: str
+    device_fraction: float
 
     @property
     def state_dtype(self) -> torch.dtype:
@@ -55,6 +60,9 @@ class Rooms:
     link: Link
     window: Window
     stepper: Stepper
+    share: Share
+    device_store: DeviceStore
+    device_stepper: DeviceStepper
     overlap: NoOverlap | BackwardOverlap
     hooks: Hooks
 
@@ -89,9 +97,14 @@ def build(
             str(options.master_dtype),
             options.state_precision,
             options.stochastic_rounding,
+            options.device_fraction,
         ),
         "build the optimizer on the same model, param groups and options on every rank",
     )
+    if options.device_fraction > 0 and not device_kernel.available():
+        raise RuntimeError(
+            f"cpu_adam.OffloadOptimizer(device_fraction={options.device_fraction}): {device_kernel.missing_reason()}"
+        )
     # Not drawn from torch's generator: building the optimizer must not shift the user's random
     # stream, and replicas seeded per rank must still round alike.
     seed = world.rank0_int(0 if seed is None else seed, "rank 0's seed")
@@ -108,16 +121,25 @@ def build(
     if device is not None:
         hand_over(model, layouts, store, world)
         check_params(trainable)
-    link = Link(dev, world, layouts, trainable, options.max_inflight_buckets)
-    window = Window(world, link, layouts)
-    stepper = Stepper(store, link, layouts, trainable)
+    share = Share(layouts)
+    share.request(buckets_for(layouts, options.device_fraction))
+    share.begin()
+    link = Link(dev, world, layouts, trainable, options.max_inflight_buckets, share)
+    window = Window(dev, world, link, layouts, share)
+    stepper = Stepper(store, link, layouts, trainable, share)
+    device_store = DeviceStore(dev, layouts, store, link.gather_weights, options.master_dtype)
+    device_stepper = DeviceStepper(device_store, link, stepper, layouts)
     overlap = (
         NoOverlap()
         if options.overlap == "none"
-        else BackwardOverlap(dev, world, layouts, window, stepper, store, link, hyper_of)
+        else BackwardOverlap(dev, world, layouts, window, stepper, store, link, hyper_of, share)
     )
     hooks = Hooks(dev, trainable, layouts, link, window, schedule_for(world, layouts), overlap)
-    return Rooms(options, dev, world, layouts, store, model, link, window, stepper, overlap, hooks), seed
+    rooms = Rooms(
+        options, dev, world, layouts, store, model, link, window, stepper, share, device_store, device_stepper,
+        overlap, hooks,
+    )  # fmt: skip
+    return rooms, seed
 
 
 def memory_stats(rooms: Rooms) -> dict[str, Any]:
@@ -144,7 +166,18 @@ def memory_stats(rooms: Rooms) -> dict[str, Any]:
         "weights_bytes": sum(p.numel() * p.element_size() for ps in rooms.model.params for p in ps),
         "device_bytes": rooms.dev.held_bytes,
         "device_peak_bytes": rooms.dev.peak_bytes,
+        "device_share": rooms.share.fraction,  # of this rank's elements, stepped on the device
+        "device_state_bytes": rooms.device_store.nbytes(),  # their masters and moments, in device memory
     }
+
+
+def synced_state(rooms: Rooms) -> None:
+    """The host store made whole: every commit run, the masters taken from weights written by others (on the device
+    too), the device's state copied down."""
+    rooms.overlap.settle()
+    rooms.device_store.write_back()
+    if not rooms.model.in_sync() and rooms.model.sync_masters(rooms.store):
+        rooms.device_store.reload()
 
 
 def master_weights(rooms: Rooms) -> list[Tensor]:
@@ -154,8 +187,7 @@ def master_weights(rooms: Rooms) -> list[Tensor]:
             "cpu_adam.OffloadOptimizer.master_weights: with a process group each rank holds a shard of the "
             "masters; gather the ranks' state_dict() and use cpu_adam.distributed.consolidate_state_dict"
         )
-    rooms.overlap.settle()
-    rooms.model.sync_masters(rooms.store)
+    synced_state(rooms)
     return [
         rooms.store.master(g, slice(*layout.param_range(i))).view(shape)
         for g, layout in enumerate(rooms.layouts)

@@ -1,11 +1,13 @@
 """Adam over the host state, a chunk at a time: any chunks, in any order, each with the scale it is given.
 
 A chunk is a run of consecutive buckets of one group of about ``KERNEL_CHUNK`` elements of this
-rank's shard: one kernel call each (one parallel region), whose uploads can overlap the next
-chunk's compute. The kernel's lists are built from the store's views, the window's grads and the
-link's outputs; params that got no grad are left out, and params whose step counts differ get a
-call per count (their bias corrections differ). A chunk's params count their step once its
-kernel has run, so a step that raised leaves the bias corrections as they were.
+rank's shard, all stepped on the host (those the device steps are left out, ``share.py``): one
+kernel call each (one parallel region), whose uploads can overlap the next chunk's compute. The
+kernel's lists are built from the store's views, the window's grads and the link's outputs;
+params that got no grad are left out, and params whose step counts differ get a call per count
+(their bias corrections differ): ``runs`` plans them, for the device's stepper too. A chunk's
+params count their step once its kernel has run, so a step that raised leaves the bias
+corrections as they were.
 
 Counter offsets are the one-process layout's, so stochastic rounding draws the same bits
 whatever the world size, bucket size or chunking.
@@ -20,9 +22,10 @@ from torch import Tensor
 from ..ops import adam_step, group_counter_base
 from .layout import FlatLayout, canonical_offsets
 from .link import Link
+from .share import Share
 from .store import Store
 
-__all__ = ["KERNEL_CHUNK", "Chunk", "Stepper"]
+__all__ = ["KERNEL_CHUNK", "Chunk", "Run", "Stepper"]
 
 # One kernel call per chunk of 32M elements: a parallel region per 8M-element bucket cost 5-12%
 # (measured on a 16-core host), and the last chunk's upload (64 MB) stays about a millisecond.
@@ -38,20 +41,49 @@ class Chunk(NamedTuple):
     last: int
 
 
+class Run(NamedTuple):
+    """Consecutive params of one bucket stepped by one tuple of the kernel's lists."""
+
+    host: slice  # their elements in the host buffers (the zero padding between them included)
+    part: slice  # the first param's elements (where its random counters start)
+    first: int  # the first param
+    bucket: int
+    last: int  # the last param
+
+
 class Stepper:
-    def __init__(self, store: Store, link: Link, layouts: list[FlatLayout | None], params: list[list[Tensor]]) -> None:
+    def __init__(
+        self, store: Store, link: Link, layouts: list[FlatLayout | None], params: list[list[Tensor]], share: Share
+    ) -> None:
         self._store = store
         self._link = link
         self._layouts = layouts
         self._params = params
+        self._share = share
         self._offsets = [[] if layout is None else canonical_offsets(layout.shapes) for layout in layouts]
-        self.chunks = [[] if layout is None else _chunks(g, layout, KERNEL_CHUNK) for g, layout in enumerate(layouts)]
+        self._chunks: tuple[frozenset, list[list[Chunk]]] = (frozenset(), [])
         self._segments: dict[Chunk, list[Segment]] = {}
         self._members: dict[Chunk, list[int]] = {}
         # The kernel lists of chunks whose params all step alike with un-accumulated grads, kept
         # while the params keep their storage (a direct step writes into it).
         self._lists: dict[Chunk, tuple[list, ...]] = {}
         self._storage = [[] for _ in layouts]
+
+    @property
+    def chunks(self) -> list[list[Chunk]]:
+        """Per group, the chunks of the buckets the host steps."""
+        keys, chunks = self._chunks
+        if not chunks or keys is not self._share.keys:
+            chunks = [
+                [] if layout is None else _chunks(g, layout, KERNEL_CHUNK, self._share)
+                for g, layout in enumerate(self._layouts)
+            ]
+            self._chunks = (self._share.keys, chunks)
+        return chunks
+
+    def counter_offset(self, g: int, run: Run) -> int:
+        """Where ``run``'s random counters start: its first element's place in the one-process layout."""
+        return group_counter_base(g) + self._offsets[g][run.first] + run.part.start
 
     def check(self, hypers: list[dict[str, Any] | None], got: list[list[bool]]) -> None:
         """Every group's kernel scalars, before any chunk is stepped: a step is all or nothing."""
@@ -147,43 +179,52 @@ class Stepper:
         except where the kernel writes straight into each param's storage.
         """
         g = chunk.group
-        segments = self._segments_of(chunk)
-        plan = [s for s in segments if got[s[0]]]
         counts = self._store.steps[g] if counts is None else counts
-        steps = {counts[i] + 1 for i, *_ in plan}  # the step being taken
         buffer = self._link.buffers[g].tensor
         cached = outputs is None and weights and counts is self._store.steps[g]
-        reusable = cached and len(plan) == len(segments) and len(steps) == 1
+        segments = self._segments_of(chunk)
+        steps = {counts[i] + 1 for i, *_ in segments if got[i]}  # the step being taken
+        reusable = cached and all(got[i] for i, *_ in segments) and len(steps) == 1
         reusable = reusable and all(grads[(g, b)] is buffer for b in range(chunk.first, chunk.last))
         if reusable and chunk in self._lists:
             return {steps.pop(): self._lists[chunk]}
-        per_param = cached and self._link.direct
-        by_step: dict[int, list[list]] = {}
-        for i, part, host, b in plan:
-            runs = by_step.setdefault(counts[i] + 1, [])
-            if not per_param and runs and runs[-1][3] == b and runs[-1][4] == i - 1:
-                runs[-1][0], runs[-1][4] = slice(runs[-1][0].start, host.stop), i
-            else:
-                runs.append([host, part, i, b, i])  # its first param's part (where its counters start), its last param
         out = {}
-        for step, runs in by_step.items():
-            views = [self._store.views(g, h) for h, *_ in runs]
+        for step, runs in self.runs(chunk, got, counts, per_param=cached and self._link.direct).items():
+            views = [self._store.views(g, run.host) for run in runs]
             if outputs is not None:
-                outs = [outputs[h] for h, *_ in runs]
+                outs = [outputs[run.host] for run in runs]
             else:
-                outs = [self._link.outputs(g, i, part, h) for h, part, i, _, _ in runs] if weights else []
+                outs = [self._link.outputs(g, run.first, run.part, run.host) for run in runs] if weights else []
             out[step] = (
                 [v.master for v in views],
-                [grads[(g, b)][h] for h, _, _, b, _ in runs],
+                [grads[(g, run.bucket)][run.host] for run in runs],
                 [v.exp_avg for v in views],
                 [v.exp_avg_sq for v in views],
                 outs,
-                [group_counter_base(g) + self._offsets[g][i] + part.start for _, part, i, _, _ in runs],
+                [self.counter_offset(g, run) for run in runs],
                 [v.scales for v in views] if views and views[0].scales is not None else [],
             )
         if reusable:
             self._lists[chunk] = next(iter(out.values()))
         return out
+
+    def runs(
+        self, chunk: Chunk, got: list[bool], counts: list[int] | None = None, *, per_param: bool = False
+    ) -> dict[int, list[Run]]:
+        """The runs of ``chunk``'s params that ``got`` a grad, by the step they take (their counts before it:
+        ``counts``, the store's by default); ``per_param``: a run per param (the kernel writes each into its own
+        storage), else consecutive params of a bucket share one."""
+        counts = self._store.steps[chunk.group] if counts is None else counts
+        by_step: dict[int, list[Run]] = {}
+        for i, part, host, b in self._segments_of(chunk):
+            if not got[i]:
+                continue
+            runs = by_step.setdefault(counts[i] + 1, [])  # the step being taken
+            if not per_param and runs and runs[-1].bucket == b and runs[-1].last == i - 1:
+                runs[-1] = runs[-1]._replace(host=slice(runs[-1].host.start, host.stop), last=i)
+            else:
+                runs.append(Run(host, part, i, b, i))
+        return by_step
 
 
 def run(calls: list[dict[str, Any]], *, preview: bool = False) -> None:
@@ -192,13 +233,20 @@ def run(calls: list[dict[str, Any]], *, preview: bool = False) -> None:
         adam_step(**kwargs, preview=preview)
 
 
-def _chunks(g: int, layout: FlatLayout, size: int) -> list[Chunk]:
-    runs, first, numel = [], 0, 0
+def _chunks(g: int, layout: FlatLayout, size: int, share: Share) -> list[Chunk]:
+    """Runs of consecutive buckets the host steps, each ending once it holds ``size`` elements."""
+    runs, first, numel = [], None, 0
     for b, piece in enumerate(layout.pieces):
+        if share.on_device(g, b):
+            if first is not None:
+                runs.append(Chunk(g, first, b))
+            first, numel = None, 0
+            continue
+        first = b if first is None else first
         numel += piece.numel
         if numel >= size:
             runs.append(Chunk(g, first, b + 1))
-            first, numel = b + 1, 0
-    if first < len(layout.pieces):
+            first, numel = None, 0
+    if first is not None:
         runs.append(Chunk(g, first, len(layout.pieces)))
     return runs

@@ -8,7 +8,9 @@ before its slot receives the next, so contributions are summed in fp32, never in
 that got no grad in the window is left alone by the step, as torch's optimizers leave it.
 
 Each param's squared norm comes from its first landing (taken on the device, in float32) or, for
-a bucket that landed several times, from the accumulator (in float64), summed over the ranks.
+a bucket that landed several times, from the accumulator (in float64, on the host: a bucket the
+device steps accumulates on the device and its sum comes down for it, so that the norm, and the
+clipping, are the same bits wherever the bucket is stepped), summed over the ranks.
 ``close`` ends the window: the last contributions are folded and the norms taken, once; a later
 backward raises. ``finish`` is what the step asks, once: the grads to step, and one scale (the
 clipping, the factor ``clip_grad_norm_`` multiplied the placeholders by, the mean over the
@@ -23,8 +25,10 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from .device import DeviceOps
 from .layout import FlatLayout
 from .link import Landing, Link
+from .share import Share
 from .world import World
 
 __all__ = ["ACCUMULATOR_DTYPE", "Finished", "Window", "peer_failed"]
@@ -38,14 +42,19 @@ class Finished(NamedTuple):
     norm: float  # of the grads (their mean over the ranks) before any scaling
     scale: float | None  # what the kernel multiplies the grads by; None: skip the step (a non-finite norm)
     got: list[list[bool]]  # per group, per param: whether it got a grad
-    grads: dict[tuple[int, int], Tensor]  # per (group, bucket): its group's summed grads, in host coordinates
+    grads: dict[tuple[int, int], Tensor]  # per (group, bucket) the host steps: its group's summed grads (host slices)
+    device_grads: dict[tuple[int, int], Tensor]  # per bucket the device steps: its piece's summed grads, on the device
 
 
 class Window:
-    def __init__(self, world: World, link: Link, layouts: list[FlatLayout | None]) -> None:
+    def __init__(
+        self, dev: DeviceOps, world: World, link: Link, layouts: list[FlatLayout | None], share: Share
+    ) -> None:
+        self._dev = dev
         self._world = world
         self._link = link
         self._layouts = layouts
+        self._share = share
         self.epoch = 0  # counts resets: placeholders made before the last one are stale
         self.micro = 0  # user backward passes completed in this window
         self._in_backward = False
@@ -54,6 +63,7 @@ class Window:
         self._landings = {key: 0 for key in link.slots}
         self._norms: list[tuple[int, Landing]] = []  # first landings' norms, on the device
         self.accumulators: list[Tensor | None] = [None] * len(layouts)
+        self._device_accumulators: dict[tuple[int, int], Tensor] = {}  # of the buckets the device steps
         self._factors: dict[tuple[int, int], list[Tensor | float]] = {}
         self._sq: list[Tensor | None] | None = None  # once taken, the window is closed to new grads
 
@@ -81,16 +91,30 @@ class Window:
     def fold(self, g: int, b: int) -> None:
         """Bucket ``b``'s landed contributions into the accumulator, before its slot receives another."""
         count = self._landings[(g, b)]
-        where = self._layouts[g].host_slice(b)
-        if count == 0 or where is None:
+        if count == 0 or self._layouts[g].host_slice(b) is None:
             return
-        if self.accumulators[g] is None:
-            self.accumulators[g] = torch.zeros(self._layouts[g].shard_numel, dtype=ACCUMULATOR_DTYPE)
-        acc, grads = self.accumulators[g][where[1]], self._link.landed(g, b)
+        acc, grads = self._accumulator(g, b), self._link.landed(g, b)
         if count == 1:
             acc.copy_(grads)
         else:
             acc.add_(grads)
+
+    def _accumulator(self, g: int, b: int) -> Tensor:
+        """Bucket ``b``'s piece of the accumulator: in host RAM, or on the device for a bucket the device steps."""
+        where = self._layouts[g].host_slice(b)
+        if self._share.on_device(g, b):
+            if (g, b) not in self._device_accumulators:
+                zeros = torch.zeros(where[1].stop - where[1].start, dtype=ACCUMULATOR_DTYPE, device=self._dev.device)
+                self._device_accumulators[(g, b)] = self._dev.hold(zeros)
+            return self._device_accumulators[(g, b)]
+        if self.accumulators[g] is None:
+            self.accumulators[g] = torch.zeros(self._layouts[g].shard_numel, dtype=ACCUMULATOR_DTYPE)
+        return self.accumulators[g][where[1]]
+
+    @property
+    def begun(self) -> bool:
+        """Whether a backward has sent grads in this window (or is running)."""
+        return self._in_backward or any(self._landings.values())
 
     @property
     def in_backward(self) -> bool:
@@ -159,10 +183,11 @@ class Window:
         for b in range(len(layout.buckets)):
             where = layout.host_slice(b)
             if self._landings[(g, b)] > 1 and where is not None:
-                acc = self.accumulators[g][where[1]]
+                acc = self._accumulator(g, b)
                 acc.add_(self._link.landed(g, b))
                 params, slices = layout.piece_params(b)
                 if slices:
+                    acc = acc.cpu()  # a device's accumulator: the norm as the host takes it
                     norms = torch._foreach_norm([acc[s] for s in slices], 2, dtype=torch.float64)
                     sq[params] = torch.stack(norms).square()
         return sq
@@ -177,11 +202,14 @@ class Window:
             if max_grad_norm is not None:  # of the grads as the caller left them
                 scale *= min(1.0, max_grad_norm / (norm * factor + 1e-6))
             scale /= self._world.size  # the collectives summed the ranks' grads: this makes it their mean
-        grads = {
-            (g, b): self.accumulators[g] if count > 1 else self._link.buffers[g].tensor
-            for (g, b), count in self._landings.items()
-        }
-        return Finished(norm, scale, self.got, grads)
+        grads, device_grads = {}, {}
+        for (g, b), count in self._landings.items():
+            if self._share.on_device(g, b):
+                if count and self._layouts[g].host_slice(b) is not None:
+                    device_grads[(g, b)] = self._accumulator(g, b) if count > 1 else self._link.landed(g, b)
+            else:
+                grads[(g, b)] = self.accumulators[g] if count > 1 else self._link.buffers[g].tensor
+        return Finished(norm, scale, self.got, grads, device_grads)
 
     # -- what the placeholder grads ask (see placeholder.py) ----------------------------------
 
@@ -219,6 +247,8 @@ class Window:
         self._norms.clear()
         self.got = [[False] * len(got) for got in self.got]
         self._landings = dict.fromkeys(self._landings, 0)
+        self._dev.release(list(self._device_accumulators.values()))
+        self._device_accumulators.clear()
 
     @property
     def accumulator_bytes(self) -> int:

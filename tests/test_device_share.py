@@ -1,0 +1,221 @@
+"""The device's share of the step (``device_fraction``): whatever the share, the bits of the all-host step.
+
+The scenarios of ``test_offload_digest.py`` (accumulation over micro-batches, a layer used in some of
+them only, a skipped step, clipping, lr changes, every state precision, stochastic rounding) are run
+with a share drawn at random before every step, so that buckets move between host and device memory
+all the time, and must give the digests recorded from the all-host code. On this machine the device
+is the CPU and the device kernel runs in Triton's interpreter; "copying" is the GPU's code path
+(staging areas, kept grads in their own memory, weights spread from device buffers).
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import raw
+from offload_helpers import batches, lm_loss, make_model
+from test_offload_digest import (
+    CONFIGS,
+    DEVICES,
+    EXPECTED,
+    EXPECTED_ZERO,
+    HYPER,
+    ZERO_CONFIGS,
+    WithSide,
+    run_scenario,
+)
+
+from cpu_adam import OffloadOptimizer
+
+triton = pytest.importorskip("triton", reason="the device kernel is written in Triton")
+tl = pytest.importorskip("triton.language")
+
+from cpu_adam import device_kernel  # noqa: E402
+from cpu_adam.device_kernel import kernels, launch  # noqa: E402
+
+HYPER_NO_LR = {k: v for k, v in HYPER.items() if k != "lr"}
+
+
+def random_shares(seed: int):
+    rng = random.Random(seed)
+    return lambda step: rng.choice([0.0, 1.0, rng.random()])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_a_share_drawn_at_random_every_step_gives_the_all_host_bits(name: str, device: str):
+    assert run_scenario(name, device, share=random_shares(len(name))) == EXPECTED[f"{name}/{device}"]
+
+
+@pytest.mark.parametrize("name", ["fp32-clip", "bf16-sr-8bit-clip_grad_norm_"])
+def test_stepping_during_backward_with_a_random_share_gives_the_all_host_bits(name: str):
+    assert run_scenario(name, "copying", overlap="backward", share=random_shares(7)) == EXPECTED[f"{name}/copying"]
+
+
+@triton.jit
+def _div_by_reciprocal(a, b, BEFORE_ROUNDING: tl.constexpr):
+    return a * tl.math.div_rn(1.0, b)  # rounds twice
+
+
+@pytest.mark.parametrize("share", [0.5, 1.0])
+def test_a_device_kernel_with_one_rounding_changed_breaks_the_contract(monkeypatch: pytest.MonkeyPatch, share: float):
+    monkeypatch.setattr(kernels, "div", _div_by_reciprocal)
+    monkeypatch.setattr(launch, "_namespaces", {})
+    monkeypatch.setattr(launch, "_twins", {})
+    assert run_scenario("fp32-clip", "cpu", share=lambda step: share) != EXPECTED["fp32-clip/cpu"]
+
+
+def _state_bytes(opt: OffloadOptimizer) -> list[torch.Tensor]:
+    state = opt.state_dict()
+    return [raw(t) if torch.is_tensor(t) else t for g in state["state"].values() for t in g.values()]
+
+
+@pytest.mark.parametrize(
+    "options", [{}, {"state_precision": "8bit", "master_weights_dtype": torch.bfloat16, "stochastic_rounding": True}]
+)
+def test_a_state_dict_saved_under_one_share_loads_under_another(options: dict):
+    data = batches(8)
+
+    def train(model, opt, chunk) -> None:
+        for tokens in chunk:
+            lm_loss(model, tokens).backward()
+            opt.step()
+            opt.zero_grad()
+
+    straight = make_model(0)
+    straight_opt = OffloadOptimizer(straight.parameters(), **HYPER, max_grad_norm=0.5, **options)
+    train(straight, straight_opt, data)
+
+    first = make_model(0)
+    first_opt = OffloadOptimizer(first.parameters(), **HYPER, max_grad_norm=0.5, device_fraction=0.7, **options)
+    train(first, first_opt, data[:4])
+    saved = copy.deepcopy(first_opt.state_dict())
+    host_only = OffloadOptimizer(make_model(0).parameters(), **HYPER, **options)
+    host_only.load_state_dict(saved)
+    reference = host_only.state_dict()
+    assert saved.keys() == reference.keys() and saved["format"] == reference["format"]
+    for g, group in saved["state"].items():  # the format: the same tensors, dtypes and shapes as a host run's
+        assert {k: (v.dtype, v.shape) for k, v in group.items() if torch.is_tensor(v)} == {
+            k: (v.dtype, v.shape) for k, v in reference["state"][g].items() if torch.is_tensor(v)
+        }
+    host_only.close()
+
+    resumed = make_model(seed=3)
+    resumed_opt = OffloadOptimizer(resumed.parameters(), lr=0.5, **HYPER_NO_LR, device_fraction=0.3, **options)
+    resumed_opt.load_state_dict(saved)
+    train(resumed, resumed_opt, data[4:])
+    assert all(torch.equal(raw(a), raw(b)) for a, b in zip(straight.parameters(), resumed.parameters()))
+    assert all(
+        torch.equal(a, b) if torch.is_tensor(a) else a == b
+        for a, b in zip(_state_bytes(resumed_opt), _state_bytes(straight_opt))
+    )
+
+
+@pytest.mark.parametrize(
+    ("options", "per_param"),
+    [
+        ({}, 12),
+        ({"state_precision": "bf16"}, 8),
+        ({"state_precision": "bf16", "master_weights_dtype": torch.bfloat16, "stochastic_rounding": True}, 4),
+        ({"state_precision": "8bit", "master_weights_dtype": torch.bfloat16, "stochastic_rounding": True}, 2 + 8 / 256),
+    ],
+    ids=["fp32", "bf16 moments", "bf16-sr master", "bf16-sr master, 8-bit"],
+)
+def test_memory_stats_report_the_share_and_the_state_it_holds_on_the_device(options: dict, per_param: float):
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256, bias=False) for _ in range(4)]).to(torch.bfloat16)
+    opt = OffloadOptimizer(model.parameters(), bucket_size=256 * 256, device_fraction=0.5, **options)
+    model(torch.randn(2, 256, dtype=torch.bfloat16)).float().sum().backward()
+    opt.step()
+    stats = opt.memory_stats()
+    assert stats["device_share"] == 0.5
+    assert stats["device_state_bytes"] == per_param * 2 * 256 * 256
+    opt.device_fraction = 0.0
+    opt.zero_grad()
+    model(torch.randn(2, 256, dtype=torch.bfloat16)).float().sum().backward()
+    opt.step()
+    assert opt.memory_stats()["device_share"] == 0.0 and opt.memory_stats()["device_state_bytes"] == 0
+
+
+def test_a_failure_before_the_device_step_changes_nothing_and_its_retry_equals_a_twin(monkeypatch: pytest.MonkeyPatch):
+    def run(fail_at: int | None) -> list:
+        model = WithSide()
+        opt = OffloadOptimizer(model.parameters(), **HYPER, max_grad_norm=0.05, device_fraction=0.5)
+        for step, tokens in enumerate(batches(4)):
+            lm_loss(model.lm, tokens).backward()
+            if step == fail_at:
+                before = [raw(p) for p in model.parameters()] + _state_bytes(opt)
+                real = device_kernel.prepare_step
+
+                def failing(*args, **kwargs):
+                    raise RuntimeError("simulated failure on the device")
+
+                monkeypatch.setattr(device_kernel, "prepare_step", failing)
+                with pytest.raises(RuntimeError, match="simulated failure on the device"):
+                    opt.step()
+                monkeypatch.setattr(device_kernel, "prepare_step", real)
+                after = [raw(p) for p in model.parameters()] + _state_bytes(opt)
+                assert all(torch.equal(a, b) if torch.is_tensor(a) else a == b for a, b in zip(after, before))
+            opt.step()
+            opt.zero_grad()
+        seen = [raw(p) for p in model.parameters()] + _state_bytes(opt)
+        opt.close()
+        return seen
+
+    failed, twin = run(fail_at=2), run(fail_at=None)
+    assert all(torch.equal(a, b) if torch.is_tensor(a) else a == b for a, b in zip(failed, twin))
+
+
+def test_a_share_set_during_a_window_applies_from_the_next():
+    def run(switch: bool) -> list:
+        model = make_model(0)
+        opt = OffloadOptimizer(model.parameters(), **HYPER, device_fraction=1.0 if switch else 0.0)
+        for step, tokens in enumerate(batches(4)):
+            lm_loss(model, tokens).backward()
+            if switch:
+                opt.device_fraction = [0.0, 1.0, 0.4, 0.0][step]  # grads already landed: the next window's
+            opt.step()
+            opt.zero_grad()
+        return [raw(p) for p in model.parameters()] + _state_bytes(opt)
+
+    assert all(torch.equal(a, b) if torch.is_tensor(a) else a == b for a, b in zip(run(True), run(False)))
+
+
+@pytest.mark.parametrize("value", [-0.1, 1.5, float("nan"), "half", True])
+def test_a_device_fraction_out_of_range_is_refused_by_name(value):
+    with pytest.raises(ValueError, match="device_fraction is the share of each group's elements"):
+        OffloadOptimizer(make_model(0).parameters(), device_fraction=value)
+
+
+def test_without_triton_a_device_share_is_refused_with_the_fix(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(device_kernel, "missing_reason", lambda: "Triton is missing: pip install triton")
+    with pytest.raises(RuntimeError, match="pip install triton"):
+        OffloadOptimizer(make_model(0).parameters(), device_fraction=0.5)
+    opt = OffloadOptimizer(make_model(0).parameters())
+    with pytest.raises(RuntimeError, match="pip install triton"):
+        opt.device_fraction = 0.5
+
+
+def _zero_share_rank(rank: int, world_size: int, out: Path) -> None:
+    digests = {
+        f"{name}/{device}": run_scenario(
+            name, device, process_group=dist.group.WORLD, rank=rank, world_size=world_size, share=random_shares(3)
+        )
+        for name in ZERO_CONFIGS
+        for device in DEVICES
+    }
+    torch.save(digests, out / f"digests{rank}.pt")
+
+
+@pytest.mark.dist
+def test_zero_ranks_with_a_random_share_give_the_all_host_bits(tmp_path: Path):
+    from rank_spawn import run_ranks
+
+    run_ranks(_zero_share_rank, tmp_path, timeout_s=240.0)
+    for r in range(2):
+        for key, digest in torch.load(tmp_path / f"digests{r}.pt").items():
+            assert digest == EXPECTED_ZERO[f"{key}/rank{r}"], key
