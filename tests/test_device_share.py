@@ -52,6 +52,14 @@ def test_a_share_drawn_at_random_every_step_gives_the_all_host_bits(name: str, d
     assert run_scenario(name, device, share=random_shares(len(name))) == EXPECTED[f"{name}/{device}"]
 
 
+@pytest.mark.parametrize("budget", [0, 20000], ids=["all streamed", "some resident"])
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["fp32-clip", "bf16-states-clip_grad_norm_", "bf16-sr-8bit-clip_grad_norm_"])
+def test_state_streamed_beyond_the_device_budget_gives_the_all_host_bits(name: str, device: str, budget: int):
+    digest = run_scenario(name, device, share=random_shares(budget), device_budget=budget)
+    assert digest == EXPECTED[f"{name}/{device}"]
+
+
 @pytest.mark.parametrize("name", ["fp32-clip", "bf16-sr-8bit-clip_grad_norm_"])
 def test_stepping_during_backward_with_a_random_share_gives_the_all_host_bits(name: str):
     assert run_scenario(name, "copying", overlap="backward", share=random_shares(7)) == EXPECTED[f"{name}/copying"]
@@ -134,11 +142,26 @@ def test_memory_stats_report_the_share_and_the_state_it_holds_on_the_device(opti
     stats = opt.memory_stats()
     assert stats["device_share"] == 0.5
     assert stats["device_state_bytes"] == per_param * 2 * 256 * 256
+    assert stats["device_streamed_bytes"] == 0
     opt.device_fraction = 0.0
     opt.zero_grad()
     model(torch.randn(2, 256, dtype=torch.bfloat16)).float().sum().backward()
     opt.step()
     assert opt.memory_stats()["device_share"] == 0.0 and opt.memory_stats()["device_state_bytes"] == 0
+
+
+def test_the_share_beyond_the_budget_streams_and_memory_stats_say_how_much():
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256, bias=False) for _ in range(4)]).to(torch.bfloat16)
+    bucket_state = 12 * 256 * 256  # fp32 master and moments
+    opt = OffloadOptimizer(model.parameters(), bucket_size=256 * 256, device_fraction=0.75, device_budget=bucket_state)
+    for _ in range(2):
+        model(torch.randn(2, 256, dtype=torch.bfloat16)).float().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    stats = opt.memory_stats()
+    assert stats["device_share"] == 0.75
+    assert stats["device_state_bytes"] == bucket_state, "one bucket resident; the streamed ones gone after the step"
+    assert stats["device_streamed_bytes"] == 2 * bucket_state
 
 
 def test_a_failure_before_the_device_step_changes_nothing_and_its_retry_equals_a_twin(monkeypatch: pytest.MonkeyPatch):

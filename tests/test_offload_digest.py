@@ -132,9 +132,11 @@ def run_scenario(
     rank: int = 0,
     world_size: int = 1,
     share: Callable[[int], float] | None = None,
+    **extra: Any,
 ) -> str:
-    """The digest of a scenario; ``share(step)``: the device's share of the elements from that step on."""
-    options = dict(CONFIGS[name], overlap=overlap)
+    """The digest of a scenario; ``share(step)``: the device's share of the elements from that step on; ``extra``:
+    more of the optimizer's options."""
+    options = dict(CONFIGS[name], overlap=overlap, **extra)
     clip = options.pop("clip", None)
     model = WithSide()
     with _device(device):

@@ -37,7 +37,12 @@ class HostBuffer:
     def __init__(self, numel: int, dtype: torch.dtype, *, pin: bool) -> None:
         self.tensor: Tensor = torch.zeros(numel, dtype=dtype)
         self._registered_ptr: int | None = None
-        if pin and numel > 0:
+        if pin:
+            self.pin()
+
+    def pin(self) -> None:
+        """Page-locks the memory (once), so that copies to and from a CUDA device run asynchronously."""
+        if self._registered_ptr is None and self.tensor.numel() > 0:
             ptr = self.tensor.data_ptr()
             torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(ptr, self.nbytes, 0))
             self._registered_ptr = ptr
@@ -126,6 +131,11 @@ class DeviceOps:
         if self.is_cuda:
             t.record_stream(torch.cuda.current_stream(self.device))
         return t
+
+    def copied_up(self, host: Tensor) -> Tensor:
+        """A copy of host tensor ``host`` in device memory (its own memory also where the device is the host),
+        queued on the current stream."""
+        return torch.empty(host.shape, dtype=host.dtype, device=self.device).copy_(host, non_blocking=self.is_cuda)
 
     def hold(self, t: Tensor) -> Tensor:
         """Counts a device tensor the optimizer keeps until ``release``."""

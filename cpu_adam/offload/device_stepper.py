@@ -84,8 +84,10 @@ class DeviceStepper:
                 self._link.gather_weights(g, b, bucket.mine)
             for launches in bucket.launches:
                 launches()
+            self._store.stepped(bucket.key)
             self._link.spread(g, b, bucket.got, bucket.into, bucket.mine)
             self._stepper.advance(Chunk(g, b, b + 1), bucket.got)
+        self._store.release()  # streamed state on its way back, behind the device's step
 
 
 def _blocks(elements: slice) -> slice:

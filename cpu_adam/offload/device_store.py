@@ -1,12 +1,15 @@
 """The state of the buckets the device steps, in device memory: the store's second implementation.
 
-Each such bucket's piece is held as the host store lays it out (masters, moments, 8-bit scales),
-copied up when the bucket joins the device's share and back when it leaves. While a bucket is on
-the device its host copy is stale; ``write_back`` makes the host store whole (for a state dict,
-the masters), ``reload`` takes the host store's state up again (after a load, or masters taken
-from weights written by others). With bf16 master weights the device keeps no master: the
-weights are the master (a bf16 master rounds to itself), so only the moments live here.
-Step counts stay in the host store, one list for both.
+Each such bucket's piece is laid out as in the host store (masters, moments, 8-bit scales). Up to
+a budget of device memory the state is resident: copied up when the bucket joins the device's
+share, back when it leaves, and in between its host copy is stale (``write_back`` makes the host
+store whole, for a state dict; ``reload`` takes it up again, after a load or masters taken from
+weights written by others). Beyond the budget it streams: the host store stays its home, and each
+step copies it up when the bucket's grads land in backward (as the activations free memory) and
+back down after the device has stepped it, during the next forward, all on the link's side
+stream. With bf16 master weights the device keeps no master: the weights are the master (a bf16
+master rounds to itself), so only the moments live or travel here. Step counts stay in the host
+store, one list for both.
 """
 
 from __future__ import annotations
@@ -16,8 +19,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from .device import DeviceOps
+from .device import DeviceOps, Event
 from .layout import FlatLayout
+from .link import Link
 from .share import Key
 from .store import ChunkViews, HostStore
 
@@ -30,57 +34,126 @@ class DeviceStore:
         dev: DeviceOps,
         layouts: list[FlatLayout | None],
         host: HostStore,
+        link: Link,
         weights_into: Callable[[int, int, Tensor], None],
         master_dtype: torch.dtype,
     ) -> None:
         self._dev = dev
         self._layouts = layouts
         self._host = host
+        self._link = link
         self._weights_into = weights_into  # (g, b, piece): the params' piece of bucket b, copied into it
         self._keeps_master = master_dtype == torch.float32
-        self._views: dict[Key, ChunkViews] = {}
+        self._resident: dict[Key, ChunkViews] = {}
+        self.streamed: frozenset[Key] = frozenset()
+        self._fetched: dict[Key, tuple[ChunkViews, Event]] = {}  # streamed state up for this step
+        self._stepped: set[Key] = set()  # fetched state the device has written
+        self._down: Event = None  # the last copy of streamed state down
 
     @property
-    def keys(self) -> set[Key]:
-        return set(self._views)
+    def keys(self) -> frozenset[Key]:
+        return frozenset(self._resident) | self.streamed
+
+    # -- where the state lives ------------------------------------------------------------------
+
+    def place(self, keys: frozenset[Key], budget: int | None) -> None:
+        """The state of ``keys`` on the device: resident for the first of them whose state fits ``budget`` bytes
+        (None: all), streamed for the rest; the state of the others in the host store."""
+        resident, used = set(), 0
+        for key in sorted(keys):
+            size = self.state_bytes(key)
+            if budget is None or used + size <= budget:
+                resident.add(key)
+                used += size
+        self._dev.wait_host(self._down)
+        for key in [key for key in self._resident if key not in resident]:
+            self._write_back(key)
+            self._dev.release(list(_tensors(self._resident.pop(key))))
+        for key in self.keys - keys:
+            self._masters_from_weights(key)  # a streamed bucket leaving: its master was the weights
+        for key in sorted(resident - set(self._resident)):
+            views, event = self._link.state_up(self._host_views(key))
+            self._dev.wait_host(event)
+            self._resident[key] = views
+        self.streamed = frozenset(keys - resident)
+        for key in [key for key in self._fetched if key not in self.streamed]:  # resident now: up from the host
+            self._dev.release(list(_tensors(self._fetched.pop(key)[0])))
+        for g in {g for g, _ in self.streamed}:
+            self._host.pin(g)
 
     def views(self, key: Key) -> ChunkViews:
-        """Bucket ``key``'s piece on the device; ``master`` is None where the weights are the master."""
-        return self._views[key]
+        """Bucket ``key``'s state on the device, for the compute stream (streamed state fetched if it is not)."""
+        if key in self._resident:
+            return self._resident[key]
+        self.fetch(key)
+        views, event = self._fetched[key]
+        self._dev.compute_waits(event)
+        return ChunkViews(*(None if t is None else self._dev.on_compute(t) for t in views))
 
-    def place(self, keys: frozenset[Key]) -> None:
-        """The state of ``keys`` on the device, that of the others in the host store."""
-        for key in [key for key in self._views if key not in keys]:
-            self._write_back(key)
-            self._dev.release([t for t in self._views.pop(key) if t is not None])
-        for key in sorted(keys - set(self._views)):
-            host = self._host_views(key)
-            if host is not None:
-                self._views[key] = ChunkViews(*(None if t is None else self._copy_up(t) for t in host))
+    def fetch(self, key: Key) -> None:
+        """A streamed bucket's state on its way up (once per step); a resident's or a host bucket's: nothing."""
+        if key in self.streamed and key not in self._fetched:
+            self._fetched[key] = self._link.state_up(self._host_views(key))
+
+    def stepped(self, key: Key) -> None:
+        self._stepped.add(key)
+
+    def release(self) -> None:
+        """The streamed state goes back: what the device stepped on its way down, the rest dropped."""
+        for key, (views, _) in self._fetched.items():
+            if key in self._stepped:
+                self._down = self._link.state_down(views, self._host_views(key))
+            self._dev.release(list(_tensors(views)))
+        self._fetched.clear()
+        self._stepped.clear()
+
+    # -- the host store made whole, and taken up again -----------------------------------------------
 
     def write_back(self) -> None:
-        """The host store made whole: the device's state (and with bf16 masters, the weights) copied down."""
-        for key in self._views:
+        """The host store made whole: the resident state copied down, the streamed state's copies waited for, and
+        with bf16 masters the weights copied into the masters."""
+        for key in self._resident:
             self._write_back(key)
+        self._dev.wait_host(self._down)
+        for key in self.streamed:
+            self._masters_from_weights(key)
 
     def reload(self) -> None:
-        """The host store's state of the device's buckets copied up again."""
-        for key, views in self._views.items():
+        """The host store's state taken up again where the device holds it (resident, or fetched this step)."""
+        for views, key in [(v, k) for k, v in self._resident.items()] + [(v, k) for k, (v, _) in self._fetched.items()]:
             for mine, host in zip(views, self._host_views(key)):
                 if mine is not None:
                     mine.copy_(host)
 
     def close(self) -> None:
-        self.place(frozenset())
+        """Device memory given back; the state is not copied down."""
+        for views in [*self._resident.values(), *(views for views, _ in self._fetched.values())]:
+            self._dev.release(list(_tensors(views)))
+        self._resident.clear()
+        self._fetched.clear()
+
+    # -- bytes ------------------------------------------------------------------------------------
+
+    def state_bytes(self, key: Key) -> int:
+        """Bytes of bucket ``key``'s state in device memory (its master with fp32 masters, moments, 8-bit scales)."""
+        return sum(t.numel() * t.element_size() for t in _tensors(self._host_views(key)))
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for views in self._views.values() for t in views if t is not None)
+        """Bytes held now: the resident state, and streamed state fetched for this step."""
+        held = [*self._resident.values(), *(views for views, _ in self._fetched.values())]
+        return sum(t.numel() * t.element_size() for views in held for t in _tensors(views))
+
+    def streamed_bytes(self) -> int:
+        """Bytes of streamed state each step moves each way."""
+        return sum(self.state_bytes(key) for key in self.streamed)
+
+    # -- a bucket's state ---------------------------------------------------------------------------
 
     def _write_back(self, key: Key) -> None:
-        host = self._host_views(key)
-        for mine, theirs in zip(self._views[key], host):
-            if mine is not None:
-                theirs.copy_(mine)
+        self._dev.wait_host(self._link.state_down(self._resident[key], self._host_views(key)))
+        self._masters_from_weights(key)
+
+    def _masters_from_weights(self, key: Key) -> None:
         if not self._keeps_master:
             g, b = key
             master = self._host.master(g, self._layouts[g].host_slice(b)[1])
@@ -88,15 +161,12 @@ class DeviceStore:
             self._weights_into(g, b, weights)
             master.copy_(weights)
 
-    def _copy_up(self, t: Tensor) -> Tensor:
-        """A copy of host tensor ``t`` in device memory (its own memory, also where the device is the host)."""
-        return self._dev.hold(torch.empty(t.shape, dtype=t.dtype, device=self._dev.device).copy_(t))
-
-    def _host_views(self, key: Key) -> ChunkViews | None:
+    def _host_views(self, key: Key) -> ChunkViews:
         """The host store's views of bucket ``key``'s piece, the master left out where the weights are the master."""
         g, b = key
-        where = self._layouts[g].host_slice(b)
-        if where is None:
-            return None
-        views = self._host.views(g, where[1])
+        views = self._host.views(g, self._layouts[g].host_slice(b)[1])
         return views if self._keeps_master else views._replace(master=None)
+
+
+def _tensors(views: ChunkViews) -> list[Tensor]:
+    return [t for t in views if t is not None]

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from . import refusals
 from .device import DeviceOps
+from .device_store import DeviceStore
 from .layout import FlatLayout
 from .link import Link
 from .overlap import BackwardOverlap, NoOverlap
@@ -48,6 +49,7 @@ class Hooks:
         window: Window,
         schedule: Schedule,
         overlap: NoOverlap | BackwardOverlap,
+        device_store: DeviceStore,
     ) -> None:
         self._dev = dev
         self._params = params
@@ -56,6 +58,7 @@ class Hooks:
         self._window = window
         self._schedule = schedule
         self._overlap = overlap
+        self._device_store = device_store
         self._staging: dict[Key, Tensor] = {}  # buckets being packed since they were last sent
         self._packed: dict[Key, set[int]] = {}  # the params packed into each staging area
         self._running: set[int] = set()  # graph tasks with our callback queued that have not ended
@@ -131,6 +134,7 @@ class Hooks:
         landing = self._link.down(g, b, staging, take_norms=self._window.landings(g, b) == 0)
         self._window.landed(g, b, landing)
         self._overlap.landed(g, b, landing)
+        self._device_store.fetch(key)  # a bucket the device steps whose state streams: it goes up now
 
     def _track_graph_task(self) -> None:
         task = torch._C._current_graph_task_id()

@@ -35,6 +35,7 @@ from torch import Tensor
 from .device import DeviceOps, Event, HostBuffer
 from .layout import FlatLayout
 from .share import Share
+from .store import ChunkViews
 from .world import World
 
 __all__ = ["SLOT_DTYPE", "Landing", "Link", "Slot"]
@@ -276,6 +277,24 @@ class Link:
                 sources.append(gathered[lo - bucket.start : hi - bucket.start])
         if targets:  # one launch on the device for all the bucket's params, small ones included
             torch._foreach_copy_(targets, sources, non_blocking=True)
+
+    # -- the state of the device's buckets -----------------------------------------------------
+
+    def state_up(self, host: ChunkViews) -> tuple[ChunkViews, Event]:
+        """A copy of a bucket's state (its host views) in device memory, queued on the side stream, and the event
+        that marks its arrival; from page-locked memory it runs while the device computes."""
+        with self._dev.side_stream():
+            views = ChunkViews(*(None if t is None else self._dev.hold(self._dev.copied_up(t)) for t in host))
+            return views, self._dev.record()
+
+    def state_down(self, device: ChunkViews, host: ChunkViews) -> Event:
+        """A bucket's state copied from device memory into its host views, queued on the side stream after what the
+        compute stream does with it; the event marks its arrival."""
+        with self._dev.side_stream():
+            for mine, theirs in zip(device, host):
+                if mine is not None:
+                    self._dev.copy(theirs, mine)
+            return self._dev.record()
 
     def close(self) -> None:
         self._dev.synchronize()

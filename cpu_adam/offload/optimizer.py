@@ -32,7 +32,7 @@ from . import state_dict as checkpoint
 from .options import DEFAULT_BUCKET_SIZE, check_options, checked_max_grad_norm
 from .params import claim, param_groups, release
 from .placeholder import OffloadedGrad
-from .share import buckets_for, checked_fraction
+from .share import buckets_for, checked_budget, checked_fraction
 
 __all__ = ["OffloadOptimizer"]
 
@@ -96,6 +96,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         device: str | torch.device | None = None,
         overlap: str = "none",
         device_fraction: float = 0.0,
+        device_budget: int | None = None,
     ) -> None:
         check_hyper_parameters(OWNER, lr, betas, eps, weight_decay)
         self.state_precision = resolved_precision(OWNER, state_precision, fp32_optimizer_states)
@@ -133,6 +134,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             max_inflight_buckets,
             overlap,
             device_fraction,
+            checked_budget(device_budget),
         )
         hyper_of = lambda g, scale: self._hyper(self.param_groups[g], scale)  # noqa: E731
         self._rooms, self.seed = house.build(trainable, device, process_group, options, seed, hyper_of)
@@ -241,7 +243,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         synced = r.model.sync_masters(r.store)
         if synced:
             r.device_store.reload()
-        r.device_store.place(r.share.keys)
+        r.device_store.place(r.share.keys, r.options.device_budget)
         self.last_step_overlapped = False
         finished = r.window.finish(self.max_grad_norm)
         self.last_grad_norm = finished.norm
@@ -298,6 +300,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._rooms.window.reset()
         self._rooms.hooks.reset()
         self._rooms.link.drop_kept()
+        self._rooms.device_store.release()  # streamed state fetched for a step not taken
         self._rooms.overlap.reset()
         self._rooms.share.begin()
 

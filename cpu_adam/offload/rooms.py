@@ -43,6 +43,7 @@ class Options:
     max_inflight_buckets: int
     overlap: str
     device_fraction: float
+    device_budget: int | None  # bytes of device memory the device's share keeps between steps; beyond it, it streams
 
     @property
     def state_dtype(self) -> torch.dtype:
@@ -116,7 +117,7 @@ def build(
         FlatLayout([p.shape for p in ps], options.bucket_size, world_size=world.size, rank=world.rank) if ps else None
         for ps in trainable
     ]
-    store = HostStore(layouts, options.master_dtype, options.state_dtype)
+    store = HostStore(layouts, options.master_dtype, options.state_dtype, pinnable=dev.is_cuda)
     model = ModelSide(trainable, layouts, dev.device)
     if device is not None:
         hand_over(model, layouts, store, world)
@@ -127,14 +128,14 @@ def build(
     link = Link(dev, world, layouts, trainable, options.max_inflight_buckets, share)
     window = Window(dev, world, link, layouts, share)
     stepper = Stepper(store, link, layouts, trainable, share)
-    device_store = DeviceStore(dev, layouts, store, link.gather_weights, options.master_dtype)
+    device_store = DeviceStore(dev, layouts, store, link, link.gather_weights, options.master_dtype)
     device_stepper = DeviceStepper(device_store, link, stepper, layouts)
     overlap = (
         NoOverlap()
         if options.overlap == "none"
         else BackwardOverlap(dev, world, layouts, window, stepper, store, link, hyper_of, share)
     )
-    hooks = Hooks(dev, trainable, layouts, link, window, schedule_for(world, layouts), overlap)
+    hooks = Hooks(dev, trainable, layouts, link, window, schedule_for(world, layouts), overlap, device_store)
     rooms = Rooms(
         options, dev, world, layouts, store, model, link, window, stepper, share, device_store, device_stepper,
         overlap, hooks,
@@ -167,7 +168,8 @@ def memory_stats(rooms: Rooms) -> dict[str, Any]:
         "device_bytes": rooms.dev.held_bytes,
         "device_peak_bytes": rooms.dev.peak_bytes,
         "device_share": rooms.share.fraction,  # of this rank's elements, stepped on the device
-        "device_state_bytes": rooms.device_store.nbytes(),  # their masters and moments, in device memory
+        "device_state_bytes": rooms.device_store.nbytes(),  # their masters and moments, in device memory now
+        "device_streamed_bytes": rooms.device_store.streamed_bytes(),  # of them, each way per step
     }
 
 

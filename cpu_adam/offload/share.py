@@ -74,3 +74,15 @@ def checked_fraction(value: object) -> float | str:
             f'number in [0, 1] or "auto"; got {value!r}'
         )
     return float(value)
+
+
+def checked_budget(value: object) -> int | None:
+    """A ``device_budget`` argument: bytes (an int >= 0), or None for as much as the share needs."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(
+            f"cpu_adam.OffloadOptimizer: device_budget is the bytes of device memory the device's share keeps between "
+            f"steps (the rest of its state streams), an int >= 0 or None; got {value!r}"
+        )
+    return value

@@ -9,6 +9,7 @@ tier below host RAM can stand in for ``HostStore``, today's one implementation.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Protocol
 
 import torch
@@ -16,6 +17,7 @@ from torch import Tensor
 
 from .._precision import SCALES
 from ..quant8 import BLOCK
+from .device import HostBuffer
 from .layout import FlatLayout
 
 __all__ = ["SCALES_DTYPE", "ChunkViews", "HostStore", "Store", "scales_shape"]
@@ -58,11 +60,29 @@ class Store(Protocol):
 class HostStore:
     """The state in host RAM: one flat tensor per group and kind."""
 
-    def __init__(self, layouts: list[FlatLayout | None], master_dtype: torch.dtype, state_dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        layouts: list[FlatLayout | None],
+        master_dtype: torch.dtype,
+        state_dtype: torch.dtype,
+        pinnable: bool = False,
+    ) -> None:
         self._groups = [
             None if layout is None else _GroupState(layout, master_dtype, state_dtype) for layout in layouts
         ]
         self.steps = [[] if layout is None else [0] * len(layout.shapes) for layout in layouts]
+        self._pinnable = pinnable  # the device is a CUDA device, which copies page-locked memory asynchronously
+
+    def pin(self, g: int) -> None:
+        """Page-locks group ``g``'s state (once), for copies to and from the device that overlap other work."""
+        if self._pinnable:
+            for buffer in self._groups[g].buffers:
+                buffer.pin()
+
+    def close(self) -> None:
+        for state in self._groups:
+            for buffer in [] if state is None else state.buffers:
+                buffer.close()
 
     def views(self, g: int, host: slice) -> ChunkViews:
         state = self._groups[g]
@@ -116,13 +136,14 @@ class HostStore:
 class _GroupState:
     def __init__(self, layout: FlatLayout, master_dtype: torch.dtype, state_dtype: torch.dtype) -> None:
         n = layout.shard_numel
-        # Filled from the device weights at the first step, so weights loaded into the model
+        # The master filled from the device weights at the first step, so weights loaded into the model
         # after the optimizer was built are the ones trained.
-        self.master = torch.zeros(n, dtype=master_dtype)
-        self.exp_avg = torch.zeros(n, dtype=state_dtype)
-        self.exp_avg_sq = torch.zeros(n, dtype=state_dtype)
-        # 8-bit moments (uint8 codes): both moments' scale per block; an all-zero block's is 1.
-        self.scales = torch.ones(scales_shape(n), dtype=SCALES_DTYPE) if state_dtype == torch.uint8 else None
+        self.buffers = [HostBuffer(n, dtype, pin=False) for dtype in (master_dtype, state_dtype, state_dtype)]
+        self.master, self.exp_avg, self.exp_avg_sq = (buffer.tensor for buffer in self.buffers)
+        self.scales = None
+        if state_dtype == torch.uint8:  # 8-bit moments: both moments' scale per block; an all-zero block's is 1
+            self.buffers.append(HostBuffer(math.prod(scales_shape(n)), SCALES_DTYPE, pin=False))
+            self.scales = self.buffers[-1].tensor.view(scales_shape(n)).fill_(1.0)
 
 
 def _nbytes(t: Tensor | None) -> int:
