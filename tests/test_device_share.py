@@ -242,3 +242,78 @@ def test_zero_ranks_with_a_random_share_give_the_all_host_bits(tmp_path: Path):
     for r in range(2):
         for key, digest in torch.load(tmp_path / f"digests{r}.pt").items():
             assert digest == EXPECTED_ZERO[f"{key}/rank{r}"], key
+
+
+# -- device_fraction="auto" --------------------------------------------------------------------------------------
+
+GIB = 2**30
+
+
+def _layouts(buckets: int, numel: int = 2**20) -> list:
+    from cpu_adam.offload.layout import FlatLayout
+
+    return [FlatLayout([torch.Size([numel])] * buckets, numel)]
+
+
+def _plan(seen, buckets: int = 10, state_per_element: int = 4):
+    from cpu_adam.offload.auto import plan_share
+
+    layouts = _layouts(buckets)
+    keys = [(0, b) for b in range(buckets)]
+    numel = layouts[0].pieces[0].numel
+    return plan_share(layouts, dict.fromkeys(keys, state_per_element * numel), dict.fromkeys(keys, 2 * numel), seen)
+
+
+def test_auto_keeps_resident_what_the_backward_left_free_and_streams_what_the_link_moves_in_the_window():
+    from cpu_adam.offload.auto import LINK_USE, MEMORY_USE, Observed
+
+    bucket = 4 * 2**20  # bytes of one bucket's state: 4 B per element
+    roomy = Observed(
+        total_memory=100 * GIB, busy=10 * GIB, available=90 * GIB, window_s=1.0, up_rate=1e12, down_rate=1e12
+    )
+    assert _plan(roomy).fraction == 1.0 and _plan(roomy).budget == 10 * bucket
+    # Memory for 3 buckets beside the activations, and a link that moves 2 more in the window (each gives back its
+    # grads' and weights' 2 bytes per element each way).
+    total = 100 * GIB
+    busy = total - int(3.5 * bucket / MEMORY_USE)
+    window = (sum([2 * 2**20] * 10) + 2 * (bucket - 2 * 2**20) + 1) / (LINK_USE * 1e9)
+    tight = Observed(total, busy, available=total, window_s=window, up_rate=1e9, down_rate=2e9)
+    plan = _plan(tight)
+    assert plan.keys == frozenset({(0, b) for b in range(5)}) and plan.budget == 3 * bucket
+    # The memory at the step limits the streamed state too.
+    squeezed = Observed(
+        total, busy, available=int(4.5 * bucket / MEMORY_USE), window_s=window, up_rate=1e9, down_rate=2e9
+    )
+    assert len(_plan(squeezed).keys) == 4
+
+
+def test_auto_on_the_cpu_device_leaves_the_step_to_the_host():
+    model = make_model(0)
+    opt = OffloadOptimizer(model.parameters(), **HYPER, device_fraction="auto")
+    for tokens in batches(3):
+        lm_loss(model, tokens).backward()
+        opt.step()
+        opt.zero_grad()
+    assert opt.device_fraction == "auto" and opt.memory_stats()["device_share"] == 0.0
+
+
+def test_auto_changing_the_share_from_step_to_step_gives_the_all_host_bits(monkeypatch: pytest.MonkeyPatch):
+    from cpu_adam.offload.auto import Observed, Planner
+
+    memory = iter([30, 3, 300, 0, 60, 12] * 10)  # KiB beside the activations, step after step
+    monkeypatch.setattr(
+        Planner,
+        "observed",
+        lambda self: Observed(2**20 + next(memory) * 1024, 2**20, 2**30, window_s=1.0, up_rate=1e4, down_rate=1e4),
+    )
+    seen = []
+    real = Planner.step_ended
+
+    def noting(self, now: float) -> None:
+        real(self, now)
+        seen.append(len(self._share._requested or ()))
+
+    monkeypatch.setattr(Planner, "step_ended", noting)
+    for name in ("fp32-clip", "bf16-sr-8bit-clip_grad_norm_"):
+        assert run_scenario(name, "copying", device_fraction="auto") == EXPECTED[f"{name}/copying"]
+    assert len(set(seen)) > 2, f"the share changed from step to step: {seen}"

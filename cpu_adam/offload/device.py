@@ -17,14 +17,21 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-__all__ = ["DeviceOps", "Event", "HostBuffer"]
+__all__ = ["DeviceOps", "Event", "HostBuffer", "Memory"]
 
 Event = Any  # torch.cuda.Event on CUDA, None on the CPU
+_PROBE_BYTES = 64 << 20  # the link's probe: past small copies' overheads, a few milliseconds
+
+
+class Memory(NamedTuple):
+    allocated: int
+    available: int  # what the caching allocator can hand out: free on the device, and blocks it keeps
+    total: int
 
 
 class HostBuffer:
@@ -79,6 +86,7 @@ class DeviceOps:
         self._side = torch.cuda.Stream(device=device) if self.is_cuda else None
         self.held_bytes = 0  # what the optimizer holds in device memory now
         self.peak_bytes = 0
+        self._link_rates: tuple[float, float] | None = None
 
     @property
     def host_addressable(self) -> bool:
@@ -131,6 +139,31 @@ class DeviceOps:
         if self.is_cuda:
             t.record_stream(torch.cuda.current_stream(self.device))
         return t
+
+    def memory(self) -> Memory:
+        """The device's memory now, as the caching allocator sees it (a CUDA device)."""
+        free, total = torch.cuda.mem_get_info(self.device)
+        allocated = torch.cuda.memory_allocated(self.device)
+        cached = torch.cuda.memory_reserved(self.device) - allocated  # free blocks the allocator keeps
+        return Memory(allocated, free + cached, total)
+
+    def link_rates(self) -> tuple[float, float]:
+        """Bytes/s of page-locked copies up and down (a CUDA device), from one short probe, once."""
+        if self._link_rates is None:
+            host = torch.empty(_PROBE_BYTES, dtype=torch.uint8, pin_memory=True)
+            device = torch.empty(_PROBE_BYTES, dtype=torch.uint8, device=self.device)
+            rates = []
+            with self.side_stream():
+                for dst, src in ((device, host), (host, device)):
+                    dst.copy_(src, non_blocking=True)  # once to warm up, then timed
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    dst.copy_(src, non_blocking=True)
+                    end.record()
+                    end.synchronize()
+                    rates.append(_PROBE_BYTES / (start.elapsed_time(end) * 1e-3))
+            self._link_rates = (rates[0], rates[1])
+        return self._link_rates
 
     def copied_up(self, host: Tensor) -> Tensor:
         """A copy of host tensor ``host`` in device memory (its own memory also where the device is the host),

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from . import refusals
+from .auto import Planner
 from .device import DeviceOps
 from .device_store import DeviceStore
 from .layout import FlatLayout
@@ -50,6 +51,7 @@ class Hooks:
         schedule: Schedule,
         overlap: NoOverlap | BackwardOverlap,
         device_store: DeviceStore,
+        planner: Planner,
     ) -> None:
         self._dev = dev
         self._params = params
@@ -59,6 +61,7 @@ class Hooks:
         self._schedule = schedule
         self._overlap = overlap
         self._device_store = device_store
+        self._planner = planner
         self._staging: dict[Key, Tensor] = {}  # buckets being packed since they were last sent
         self._packed: dict[Key, set[int]] = {}  # the params packed into each staging area
         self._running: set[int] = set()  # graph tasks with our callback queued that have not ended
@@ -135,6 +138,7 @@ class Hooks:
         self._window.landed(g, b, landing)
         self._overlap.landed(g, b, landing)
         self._device_store.fetch(key)  # a bucket the device steps whose state streams: it goes up now
+        self._planner.landed()
 
     def _track_graph_task(self) -> None:
         task = torch._C._current_graph_task_id()

@@ -95,7 +95,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         seed: int | None = None,
         device: str | torch.device | None = None,
         overlap: str = "none",
-        device_fraction: float = 0.0,
+        device_fraction: float | str = 0.0,
         device_budget: int | None = None,
     ) -> None:
         check_hyper_parameters(OWNER, lr, betas, eps, weight_decay)
@@ -163,21 +163,25 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._max_grad_norm = checked_max_grad_norm(value)
 
     @property
-    def device_fraction(self) -> float:
+    def device_fraction(self) -> float | str:
         """The share of each group's elements whose Adam runs on the device (its state in device memory), bitwise
-        as on the host. Set between steps (on every rank alike): it applies from the next window that has no grads
-        yet, and the state moves at its step."""
+        as on the host, or "auto" (planned from measured memory and rates: ``auto.py``). Set between steps (on every
+        rank alike): it applies from the next window that has no grads yet, and the state moves at its step.
+        ``memory_stats()["device_share"]`` is the share in effect."""
         return self._device_fraction
 
     @device_fraction.setter
-    def device_fraction(self, value: float) -> None:
+    def device_fraction(self, value: float | str) -> None:
         value = checked_fraction(value)
-        if value > 0 and not device_kernel.available():
+        auto = value == "auto"
+        if not auto and value > 0 and not device_kernel.available():
             raise RuntimeError(f"cpu_adam.OffloadOptimizer: device_fraction={value}: {device_kernel.missing_reason()}")
         self._device_fraction = value
-        self._rooms.share.request(buckets_for(self._rooms.layouts, value))
-        if not self._rooms.window.begun:
-            self._rooms.share.begin()
+        self._rooms.planner.auto = auto and device_kernel.available()
+        if not auto:
+            self._rooms.share.request(buckets_for(self._rooms.layouts, value))
+            if not self._rooms.window.begun:
+                self._rooms.share.begin()
 
     @property
     def world_size(self) -> int:
@@ -233,6 +237,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def _apply(self) -> None:
         r = self._rooms
         t0 = time.perf_counter()
+        r.planner.step_started(t0)
         uploads_s, wait_s = r.link.upload_seconds, r.overlap.wait_seconds
         r.link.wait_all()
         if not r.model.in_sync():  # the masters are about to be taken from the weights: the commits first
@@ -243,7 +248,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         synced = r.model.sync_masters(r.store)
         if synced:
             r.device_store.reload()
-        r.device_store.place(r.share.keys, r.options.device_budget)
+        r.device_store.place(r.share.keys, r.planner.budget())
         self.last_step_overlapped = False
         finished = r.window.finish(self.max_grad_norm)
         self.last_grad_norm = finished.norm
@@ -275,6 +280,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             for g, hyper in enumerate(hypers):
                 if hyper is not None:
                     r.model.note_versions(g)  # the optimizer's own writes
+        r.planner.step_ended(time.perf_counter())
         self._new_window()
         # adam_s includes uploads_s: the host's part of the uploads (all of them where the device is the host).
         self.step_timings = {"grads_wait_s": t1 - t0, "norm_s": t2 - t1, "adam_s": time.perf_counter() - t2}

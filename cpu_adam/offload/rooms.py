@@ -13,6 +13,7 @@ from torch import Tensor
 
 from .. import device_kernel
 from .._precision import state_dtype
+from .auto import Planner
 from .device import DeviceOps
 from .device_stepper import DeviceStepper
 from .device_store import DeviceStore
@@ -42,7 +43,7 @@ class Options:
     stochastic_rounding: bool
     max_inflight_buckets: int
     overlap: str
-    device_fraction: float
+    device_fraction: float | str
     device_budget: int | None  # bytes of device memory the device's share keeps between steps; beyond it, it streams
 
     @property
@@ -64,6 +65,7 @@ class Rooms:
     share: Share
     device_store: DeviceStore
     device_stepper: DeviceStepper
+    planner: Planner
     overlap: NoOverlap | BackwardOverlap
     hooks: Hooks
 
@@ -102,7 +104,7 @@ def build(
         ),
         "build the optimizer on the same model, param groups and options on every rank",
     )
-    if options.device_fraction > 0 and not device_kernel.available():
+    if options.device_fraction != "auto" and options.device_fraction > 0 and not device_kernel.available():
         raise RuntimeError(
             f"cpu_adam.OffloadOptimizer(device_fraction={options.device_fraction}): {device_kernel.missing_reason()}"
         )
@@ -123,22 +125,26 @@ def build(
         hand_over(model, layouts, store, world)
         check_params(trainable)
     share = Share(layouts)
-    share.request(buckets_for(layouts, options.device_fraction))
+    auto = options.device_fraction == "auto"
+    share.request(frozenset() if auto else buckets_for(layouts, options.device_fraction))
     share.begin()
     link = Link(dev, world, layouts, trainable, options.max_inflight_buckets, share)
     window = Window(dev, world, link, layouts, share)
     stepper = Stepper(store, link, layouts, trainable, share)
     device_store = DeviceStore(dev, layouts, store, link, link.gather_weights, options.master_dtype)
     device_stepper = DeviceStepper(device_store, link, stepper, layouts)
+    planner = Planner(
+        dev, world, layouts, device_store, share, auto and device_kernel.available(), options.device_budget
+    )
     overlap = (
         NoOverlap()
         if options.overlap == "none"
         else BackwardOverlap(dev, world, layouts, window, stepper, store, link, hyper_of, share)
     )
-    hooks = Hooks(dev, trainable, layouts, link, window, schedule_for(world, layouts), overlap, device_store)
+    hooks = Hooks(dev, trainable, layouts, link, window, schedule_for(world, layouts), overlap, device_store, planner)
     rooms = Rooms(
         options, dev, world, layouts, store, model, link, window, stepper, share, device_store, device_stepper,
-        overlap, hooks,
+        planner, overlap, hooks,
     )  # fmt: skip
     return rooms, seed
 
