@@ -7,7 +7,9 @@ The rooms it wires together (one concept each):
 - ``link.py`` moves every byte between device and host through pinned slots;
 - ``window.py`` sums what a window's backward passes sent and turns it into one scale or a skip;
 - ``store.py`` holds masters, moments and step counts; ``stepper.py`` runs Adam over them a chunk
-  at a time;
+  at a time; ``steps.py`` is one step over the rooms;
+- ``share.py`` says which buckets the device steps instead (``auto.py`` plans it), ``device_store.py``
+  holds their state in device memory and ``device_stepper.py`` runs the device kernel over it;
 - ``world.py`` is the ranks (a single process is a world of one); ``state_dict.py`` the format.
 """
 
@@ -22,17 +24,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .. import device_kernel
 from .._precision import resolved_precision, state_dtype
 from .._signals import interrupts_deferred
 from .._validation import check_hyper_parameters, check_param_group, checked_seed
-from . import refusals
+from . import refusals, steps
 from . import rooms as house
 from . import state_dict as checkpoint
 from .options import DEFAULT_BUCKET_SIZE, check_options, checked_max_grad_norm
 from .params import claim, param_groups, release
 from .placeholder import OffloadedGrad
-from .share import buckets_for, checked_budget, checked_fraction
+from .share import checked_budget, checked_fraction
 
 __all__ = ["OffloadOptimizer"]
 
@@ -66,6 +67,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
     ``step()`` uploads the previews (made again where clipping or a hyper-parameter changed the
     numbers); where the grads changed, and with ``"none"`` (the default), the step runs after
     backward. Both give the same bits (``overlap.py``).
+
+    ``device_fraction`` (a number in [0, 1], or "auto") is the share of each group's elements that
+    the device steps where the weights are, its state in device memory (up to ``device_budget``
+    bytes; beyond, streamed in the shadow of forward and backward): the same bits as the host's
+    step, whatever the share (``share.py``, docs/offload.md).
 
     With ``process_group`` (a ``torch.distributed`` group, e.g. ``dist.group.WORLD``) the ranks
     train one data-parallel model: grads are averaged over the ranks as DDP does, and each rank
@@ -172,16 +178,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     @device_fraction.setter
     def device_fraction(self, value: float | str) -> None:
-        value = checked_fraction(value)
-        auto = value == "auto"
-        if not auto and value > 0 and not device_kernel.available():
-            raise RuntimeError(f"cpu_adam.OffloadOptimizer: device_fraction={value}: {device_kernel.missing_reason()}")
-        self._device_fraction = value
-        self._rooms.planner.auto = auto and device_kernel.available()
-        if not auto:
-            self._rooms.share.request(buckets_for(self._rooms.layouts, value))
-            if not self._rooms.window.begun:
-                self._rooms.share.begin()
+        self._device_fraction = house.request_share(self._rooms, checked_fraction(value))
 
     @property
     def world_size(self) -> int:
@@ -240,18 +237,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
         r.planner.step_started(t0)
         uploads_s, wait_s = r.link.upload_seconds, r.overlap.wait_seconds
         r.link.wait_all()
-        if not r.model.in_sync():  # the masters are about to be taken from the weights: the commits first
-            r.overlap.settle()
-            r.device_store.write_back()
         t1 = time.perf_counter()
-        r.model.check_storage()
-        synced = r.model.sync_masters(r.store)
-        if synced:
-            r.device_store.reload()
-        r.device_store.place(r.share.keys, r.planner.budget())
-        self.last_step_overlapped = False
+        synced = steps.ready(r)
         finished = r.window.finish(self.max_grad_norm)
         self.last_grad_norm = finished.norm
+        self.last_step_overlapped, launch_s = False, 0.0
         t2 = time.perf_counter()
         if finished.scale is None:
             self.skipped_steps += 1
@@ -265,28 +255,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 None if layout is None else self._hyper(o, finished.scale)
                 for o, layout in zip(self.param_groups, r.layouts)
             ]
-            r.stepper.check(hypers, finished.got)
-            device_part = r.device_stepper.prepare(hypers, finished)  # what may fail there, before anything changes
-            with r.dev.uploading():  # after what the compute stream still does with the weights
-                self.last_step_overlapped = r.overlap.upload(hypers, finished, synced)
-                for g, hyper in enumerate(hypers):
-                    for chunk in [] if self.last_step_overlapped or hyper is None else r.stepper.chunks[g]:
-                        r.stepper.step(chunk, hyper, finished.grads, finished.got[g])
-                        for b in range(chunk.first, chunk.last):  # overlapping the next chunk's compute
-                            r.link.up(g, b, finished.got[g])
-            t3 = time.perf_counter()
-            r.device_stepper.run(device_part)  # queued on the device behind the backward, in its order
-            device_s = time.perf_counter() - t3
-            for g, hyper in enumerate(hypers):
-                if hyper is not None:
-                    r.model.note_versions(g)  # the optimizer's own writes
+            self.last_step_overlapped, launch_s = steps.take(r, hypers, finished, synced)
         r.planner.step_ended(time.perf_counter())
         self._new_window()
         # adam_s includes uploads_s: the host's part of the uploads (all of them where the device is the host).
         self.step_timings = {"grads_wait_s": t1 - t0, "norm_s": t2 - t1, "adam_s": time.perf_counter() - t2}
-        self.step_timings["device_launch_s"] = device_s if finished.scale is not None else 0.0
         self.step_timings["uploads_s"] = r.link.upload_seconds - uploads_s
         self.step_timings["overlap_wait_s"] = r.overlap.wait_seconds - wait_s  # for the worker's passes
+        self.step_timings["device_launch_s"] = launch_s  # queuing the device's part (running it, on the CPU device)
 
     def _hyper(self, options: dict[str, Any], scale: float) -> dict[str, Any]:
         beta1, beta2 = options["betas"]

@@ -30,7 +30,7 @@ from .store import HostStore, Store
 from .window import Window
 from .world import World, world_of
 
-__all__ = ["Options", "Rooms", "build", "master_weights", "memory_stats", "synced_state"]
+__all__ = ["Options", "Rooms", "build", "master_weights", "memory_stats", "request_share", "synced_state"]
 
 
 @dataclass(frozen=True)
@@ -177,6 +177,20 @@ def memory_stats(rooms: Rooms) -> dict[str, Any]:
         "device_state_bytes": rooms.device_store.nbytes(),  # their masters and moments, in device memory now
         "device_streamed_bytes": rooms.device_store.streamed_bytes(),  # of them, each way per step
     }
+
+
+def request_share(rooms: Rooms, fraction: float | str) -> float | str:
+    """The device's share from the next window with no grads yet (this one if it has none): a fraction, or "auto"
+    (the planner's, after each step). Returns ``fraction``."""
+    auto = fraction == "auto"
+    if not auto and fraction > 0 and not device_kernel.available():
+        raise RuntimeError(f"cpu_adam.OffloadOptimizer: device_fraction={fraction}: {device_kernel.missing_reason()}")
+    rooms.planner.auto = auto and device_kernel.available()
+    if not auto:
+        rooms.share.request(buckets_for(rooms.layouts, fraction))
+        if not rooms.window.begun:
+            rooms.share.begin()
+    return fraction
 
 
 def synced_state(rooms: Rooms) -> None:

@@ -1,0 +1,53 @@
+"""One optimizer step over the rooms, in the order it reads: the grads landed, the state in place, then Adam.
+
+``ready`` waits for the grads, takes the masters of weights written by others, and puts the
+device's share of the state in place; ``take`` steps with the window's scale: the host's buckets
+a chunk at a time with their uploads (or the previews of ``overlap="backward"``), then the
+device's buckets. What can fail is checked first (the scalars, the device's kernel calls), so
+the host's failures leave the device's state unchanged and a step is all or nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from .rooms import Rooms
+from .window import Finished
+
+__all__ = ["ready", "take"]
+
+
+def ready(r: Rooms) -> bool:
+    """The masters those of the weights, and the device's share of the state in place (the grads have landed);
+    returns whether masters were taken from weights written since the last step (previews read other numbers)."""
+    if not r.model.in_sync():  # the masters are about to be taken from the weights: the commits first
+        r.overlap.settle()
+        r.device_store.write_back()
+    r.model.check_storage()
+    synced = r.model.sync_masters(r.store)
+    if synced:
+        r.device_store.reload()
+    r.device_store.place(r.share.keys, r.planner.budget())
+    return synced
+
+
+def take(r: Rooms, hypers: list[dict[str, Any] | None], finished: Finished, synced: bool) -> tuple[bool, float]:
+    """Adam on every bucket with its group's ``hypers``; returns whether the host's part took the previews made
+    during backward, and the host's seconds launching the device's part."""
+    r.stepper.check(hypers, finished.got)
+    device_part = r.device_stepper.prepare(hypers, finished)  # what may fail there, before anything changes
+    with r.dev.uploading():  # after what the compute stream still does with the weights
+        overlapped = r.overlap.upload(hypers, finished, synced)
+        for g, hyper in enumerate(hypers):
+            for chunk in [] if overlapped or hyper is None else r.stepper.chunks[g]:
+                r.stepper.step(chunk, hyper, finished.grads, finished.got[g])
+                for b in range(chunk.first, chunk.last):  # overlapping the next chunk's compute
+                    r.link.up(g, b, finished.got[g])
+    t = time.perf_counter()
+    r.device_stepper.run(device_part)  # queued on the device behind the backward, in its order
+    launch_s = time.perf_counter() - t
+    for g, hyper in enumerate(hypers):
+        if hyper is not None:
+            r.model.note_versions(g)  # the optimizer's own writes
+    return overlapped, launch_s
