@@ -370,3 +370,43 @@ def test_the_command_line_config_and_json(tmp_path: Path, capsys):
     main(["--config", str(path), "--gpu-memory", "1GiB", "--host-memory", "1GiB", "--probe-seconds", "0", "--json"])
     rows = json.loads(capsys.readouterr().out)
     assert len(rows) == 6 and rows[0]["params"] == from_config(path).params and rows[0]["fits"] is True
+
+
+def test_the_model_is_the_positional_argument_as_a_user_types_it_first(tmp_path: Path, capsys):
+    main(["7e9", "--gpu-memory", "80GiB", "--host-memory", "125GiB", "--probe-seconds", "0", "--json"])
+    assert json.loads(capsys.readouterr().out)[0]["params"] == 7_000_000_000
+    path = write_config(tmp_path, CONFIGS["llama untied"])
+    main([str(path.parent), "--gpu-memory", "1GiB", "--host-memory", "1GiB", "--probe-seconds", "0", "--json"])
+    assert json.loads(capsys.readouterr().out)[0]["params"] == from_config(path).params
+    for args, message in ((["conifg.json"], "neither a parameter count"), ([], "give the model once")):
+        with pytest.raises(SystemExit) as exit_:
+            main([*args, "--probe-seconds", "0"])
+        assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fraction", [0.4, 1.0])
+@pytest.mark.parametrize("grouped", [False, True], ids=["one group", "two param groups"])
+def test_the_planned_device_share_is_what_the_optimizer_holds_on_the_device(grouped: bool, fraction: float):
+    pytest.importorskip("triton", reason="the device kernel is written in Triton")
+    model = make_model(0)
+    params = two_groups(model) if grouped else list(model.parameters())
+    for row in plan(params, **BUDGET, bucket_size=1024, device_fraction=fraction):
+        master = MASTERS[row.master_dtype]
+        opt = OffloadOptimizer(
+            params,
+            state_precision=row.state_precision,
+            master_weights_dtype=master,
+            stochastic_rounding=master == torch.bfloat16,
+            bucket_size=1024,
+            device_fraction=fraction,
+        )
+        lm_loss(model, batches(1)[0]).backward()
+        opt.step()
+        stats = opt.memory_stats()
+        opt.close()
+        assert stats["device_share"] == pytest.approx(row.device_share)
+        assert stats["device_state_bytes"] == row.device_state_bytes
+        assert (
+            row.device_bytes
+            == row.weights_bytes + row.grad_buffer_bytes + row.device_state_bytes + row.device_grads_bytes
+        )

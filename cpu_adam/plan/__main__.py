@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import sys
+from pathlib import Path
 
 import torch
 
@@ -27,7 +28,8 @@ def main(argv: list[str] | None = None) -> None:
         description="Host RAM and GPU memory of cpu_adam.OffloadOptimizer for a model, per state precision and "
         "master dtype, whether they fit, and the CPU step time estimated on this machine.",
     )
-    model = parser.add_mutually_exclusive_group(required=True)
+    parser.add_argument("model", nargs="?", metavar="COUNT|PATH", help="a parameter count or a config.json (folder)")
+    model = parser.add_mutually_exclusive_group()
     model.add_argument("--params", metavar="COUNT", help="parameter count: 1.3B, 350M, 2^24, 124439808")
     model.add_argument("--config", metavar="PATH", help="a Hugging Face config.json (or its folder)")
     parser.add_argument("--gpu-memory", metavar="SIZE", help="80GiB, 80GB (default: free memory of the CUDA device)")
@@ -37,6 +39,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--max-inflight-buckets", metavar="N", type=int, default=2, help="the optimizer's option (2)")
     parser.add_argument("--overlap", choices=OVERLAPS, default="none", help="the optimizer's option")
+    parser.add_argument(
+        "--device-fraction",
+        metavar="F",
+        type=float,
+        default=0.0,
+        help="the optimizer's option: the share the GPU steps, its state counted on the GPU (default 0)",
+    )
     parser.add_argument(
         "--accumulation", action="store_true", help="gradient accumulation: count the fp32 accumulator (4 B/param)"
     )
@@ -49,9 +58,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = parser.parse_args(argv)
+    if sum(x is not None for x in (args.model, args.params, args.config)) != 1:
+        parser.error("give the model once: a count or a config.json path (7e9, --params 1.3B, --config config.json)")
     try:
         bucket_size = parse_count(args.bucket_size, "--bucket-size")
-        spec = model_spec(parse_count(args.params) if args.params else args.config)
+        spec = model_spec(_model(args))
         gpu, gpu_from = _budget(args.gpu_memory, "--gpu-memory", detect_gpu_memory)
         host, host_from = _budget(args.host_memory, "--host-memory", detect_host_memory)
         bandwidth = measure_bandwidth(args.probe_seconds) if args.probe_seconds > 0 else None
@@ -65,6 +76,7 @@ def main(argv: list[str] | None = None) -> None:
             accumulation=args.accumulation,
             bandwidth=bandwidth,
             probe_seconds=0,
+            device_fraction=args.device_fraction,
         )
     except PlanError as error:
         parser.error(str(error).removeprefix("cpu_adam.plan: "))
@@ -82,6 +94,17 @@ def main(argv: list[str] | None = None) -> None:
     print(_table(rows))
     print()
     print(_notes(rows[0], spec.exact, args.max_inflight_buckets))
+
+
+def _model(args: argparse.Namespace) -> int | str:
+    """A count, or a config path: as given by flag, or positionally (a count where it reads as one)."""
+    if args.params is not None:
+        return parse_count(args.params)
+    if args.config is not None or Path(args.model).exists():
+        return args.config or args.model
+    if args.model.strip()[:1] in "0123456789+-.":
+        return parse_count(args.model)
+    raise PlanError(f"{args.model!r} is neither a parameter count (7e9, 1.3B, 2^24) nor a config.json path that exists")
 
 
 def _budget(value: str | None, flag: str, detect) -> tuple[int | None, str]:
@@ -150,6 +173,14 @@ def _notes(row: Row, exact: bool, inflight: int) -> str:
             f"A count has no shapes: params are taken as at most a bucket each, without the {ALIGN}-element padding of "
             "each param; a param larger than a bucket (an embedding) makes its own, larger bucket. Pass --config "
             "for exact bytes."
+        )
+    if row.device_share:
+        notes.append(
+            f"--device-fraction: the GPU steps {row.device_share:.0%} of the elements (whole buckets, the first "
+            f"layers'): their state takes {row.device_state_bytes / GIB:,.2f} GiB of GPU memory where it stays "
+            "resident (the first row's; the others' in --json), or crosses the link each way every step where it "
+            f"streams, and their grads {row.device_grads_bytes / GIB:,.2f} GiB until the step; both are in 'GPU GiB'. "
+            "The CPU step estimate is the host's part."
         )
     if row.step_seconds is not None:
         notes.append(

@@ -21,6 +21,7 @@ from ..offload.link import SLOT_DTYPE
 from ..offload.options import DEFAULT_BUCKET_SIZE, check_options
 from ..offload.params import WEIGHTS_DTYPE
 from ..offload.schedule import OPEN_BUCKETS
+from ..offload.share import buckets_for, checked_fraction
 from ..offload.store import SCALES_DTYPE, scales_shape
 from ..offload.window import ACCUMULATOR_DTYPE
 from .models import ModelLike, ModelSpec, model_spec
@@ -53,7 +54,10 @@ class Row:
     host_memory: int | None  # the budgets the row was judged against (None: unknown)
     gpu_memory: int | None
     step_bytes_per_param: float  # moved by one CPU step
-    step_seconds: float | None  # an estimate (None: no probe was run)
+    step_seconds: float | None  # an estimate of the host's part (None: no probe was run)
+    device_share: float = 0.0  # of the elements, stepped on the device (device_fraction, to whole buckets)
+    device_state_bytes: int = 0  # their state in device memory, all resident (in device_bytes); streamed, per step
+    device_grads_bytes: int = 0  # their grads, kept on the device until the step (in device_bytes)
 
     @property
     def host_bytes_per_param(self) -> float:
@@ -90,6 +94,7 @@ def plan(
     accumulation: bool = False,
     probe_seconds: float = DEFAULT_PROBE_SECONDS,
     bandwidth: float | None = None,
+    device_fraction: float = 0.0,
 ) -> list[Row]:
     """The table: one ``Row`` per state precision and master dtype, for the offload optimizer built on ``model``
     with these options (one process; ``overlap`` and ``accumulation`` add their host buffers).
@@ -98,8 +103,14 @@ def plan(
     meta device will do) or the params / param groups the optimizer would get. ``gpu_memory`` and
     ``host_memory`` (bytes, or sizes such as ``"80GiB"``) are detected where None. The step time is an
     estimate from a bandwidth probe of ``probe_seconds`` (0: none), or from ``bandwidth`` in bytes/s.
+    ``device_fraction``: the share the device steps (its state and kept grads counted on the device, all
+    resident; the host's step estimated on the rest).
     """
     bucket_size = parse_count(bucket_size, "bucket_size")
+    try:
+        device_fraction = float(checked_fraction(device_fraction))
+    except ValueError as error:
+        raise PlanError(f"cpu_adam.plan: {error} ('auto' is planned as training runs)") from None
     try:
         check_options(torch.float32, False, max_inflight_buckets, overlap)
     except ValueError as error:
@@ -111,6 +122,7 @@ def plan(
         bandwidth = measure_bandwidth(probe_seconds)
     groups = _layouts(spec, bucket_size)
     elements = sum(n for n, _ in groups)
+    on_device = _device_elements(spec, bucket_size, device_fraction)
     weights = (spec.params + spec.frozen) * WEIGHTS_DTYPE.itemsize
     largest = max(bucket for _, bucket in groups)
     grad_buffers = (OPEN_BUCKETS + max_inflight_buckets) * largest * SLOT_DTYPE.itemsize
@@ -119,6 +131,8 @@ def plan(
         for master_name, master in MASTER_DTYPES.items():
             host_parts = _host_bytes([n for n, _ in groups], master, precision, overlap, accumulation)
             moved = step_bytes_per_param(precision, master)
+            device_state = _device_state_bytes(on_device, master, precision)
+            device_grads = on_device * (SLOT_DTYPE.itemsize + (ACCUMULATOR_DTYPE.itemsize if accumulation else 0))
             rows.append(
                 Row(
                     precision,
@@ -128,16 +142,39 @@ def plan(
                     spec.params,
                     sum(host_parts),
                     *host_parts,
-                    weights + grad_buffers,
+                    weights + grad_buffers + device_state + device_grads,
                     weights,
                     grad_buffers,
                     host,
                     gpu,
                     moved,
-                    None if bandwidth is None else moved * elements / bandwidth,
+                    None if bandwidth is None else moved * (elements - on_device) / bandwidth,
+                    on_device / elements,
+                    device_state,
+                    device_grads,
                 )
             )
     return rows
+
+
+def _device_elements(spec: ModelSpec, bucket_size: int, fraction: float) -> int:
+    """Elements of the buckets the device steps, as the optimizer picks them (each group's first buckets)."""
+    if fraction == 0:
+        return 0
+    if spec.count is None:
+        layouts = [FlatLayout([torch.Size(s) for s in g], bucket_size) for g in spec.groups if g]
+    else:  # params of a bucket each, then the rest (as _layouts counts them)
+        full, rest = divmod(spec.count, bucket_size)
+        layouts = [FlatLayout([torch.Size([bucket_size])] * full + [torch.Size([rest])] * bool(rest), bucket_size)]
+    return sum(layouts[g].pieces[b].numel for g, b in buckets_for(layouts, fraction))
+
+
+def _device_state_bytes(elements: int, master: torch.dtype, precision: str) -> int:
+    """The state of the device's share: the master where it is fp32 (a bf16 master is the weights), the moments."""
+    states = 2 * elements * state_dtype(precision).itemsize
+    if state_dtype(precision) == torch.uint8:
+        states += math.prod(scales_shape(-(-elements // 256) * 256)) * SCALES_DTYPE.itemsize
+    return (elements * master.itemsize if master == torch.float32 else 0) + states
 
 
 def _layouts(spec: ModelSpec, bucket_size: int) -> list[tuple[int, int]]:
