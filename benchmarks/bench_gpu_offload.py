@@ -19,11 +19,20 @@ trivial math). Per contender:
 
 Contenders (``--contenders``, comma list): torch_adamw (fused AdamW on fp32 masters kept on the
 GPU: the ceiling), torchao (``torchao.optim.CPUOffloadOptimizer``, fused CPU AdamW on bf16
-host params, grads offloaded), deepspeed (ZeRO-2, ``offload_optimizer: cpu``, bf16, one
-process: DeepSpeedCPUAdam on fp32 masters), cpu_adam_fp32 / cpu_adam_bf16 / cpu_adam_sr
-(``OffloadOptimizer`` with fp32 master and fp32 states / fp32 master and bf16 states / bf16
-master with stochastic rounding and bf16 states). A contender that is not installed or runs out
-of memory gets a row that says so.
+host params, grads offloaded; it cannot clip), deepspeed (ZeRO-2, ``offload_optimizer: cpu``,
+bf16, one process: DeepSpeedCPUAdam on fp32 masters), fsdp2_adamw / fsdp2_cpu_adam (FSDP2 with
+``CPUOffloadPolicy`` on a world of one: torch's AdamW or ``CPUAdam`` stepping the CPU shards),
+and ``OffloadOptimizer`` named by its settings, ``cpu_adam:MASTER/STATES[/share=F][/bwd]``:
+MASTER fp32, bf16 (rounded to nearest) or sr (bf16 with stochastic rounding), STATES fp32, bf16
+or 8bit, ``share=`` the ``device_fraction`` (a number or auto), ``bwd`` for
+``overlap="backward"``: ``cpu_adam:sr/bf16/share=auto``. cpu_adam_fp32, cpu_adam_bf16 and
+cpu_adam_sr name cpu_adam:fp32/fp32, cpu_adam:fp32/bf16 and cpu_adam:sr/bf16. A contender that
+is not installed or runs out of memory gets a row that says so.
+
+``--max-grad-norm`` clips every contender that can (default 1.0, as GPT recipes; ``none``: no
+clipping; real training clips almost every step, which decides what the offload step can hide).
+``--record-timeline DIR`` writes each cpu_adam contender's timeline of one step (forward,
+backward, each bucket's landing, the step) to DIR, for ``bench_replay.py --timeline``.
 
 The tables and each contender's raw result go to stdout; a line as each probe and contender
 starts and ends, with the time left, goes to stderr (``--quiet``: none).
@@ -50,16 +59,51 @@ import torch
 from _common import Progress
 from _gpt import GPT, lm_loss, param_groups
 
-LR, BETAS, WEIGHT_DECAY, MAX_NORM = 3e-4, (0.9, 0.95), 0.1, 1.0
-CONTENDERS = ("torch_adamw", "torchao", "deepspeed", "cpu_adam_fp32", "cpu_adam_bf16", "cpu_adam_sr")
+LR, BETAS, WEIGHT_DECAY = 3e-4, (0.9, 0.95), 0.1
+MAX_NORM: float | None = 1.0  # --max-grad-norm
+CONTENDERS = (
+    "torch_adamw",
+    "torchao",
+    "deepspeed",
+    "cpu_adam:fp32/fp32",
+    "cpu_adam:fp32/bf16",
+    "cpu_adam:sr/bf16",
+    "cpu_adam:sr/bf16/share=auto",
+)
 PEER_MODULES = {"torchao": "torchao", "deepspeed": "deepspeed"}
-# Host step configs of cpu_adam: (master, states) dtypes and the bytes one element moves
-# (master and both moments read and written, the bf16 grad read, the bf16 weight written).
-HOST_CONFIGS = {
-    "cpu_adam_fp32": (torch.float32, torch.float32, 2 * 4 + 2 + 2 * 4 + 2 * 4 + 2),
-    "cpu_adam_bf16": (torch.float32, torch.bfloat16, 2 * 4 + 2 + 2 * 2 + 2 * 2 + 2),
-    "cpu_adam_sr": (torch.bfloat16, torch.bfloat16, 2 * 2 + 2 + 2 * 2 + 2 * 2 + 2),
+ALIASES = {
+    "cpu_adam_fp32": "cpu_adam:fp32/fp32",
+    "cpu_adam_bf16": "cpu_adam:fp32/bf16",
+    "cpu_adam_sr": "cpu_adam:sr/bf16",
 }
+MASTERS = {"fp32": torch.float32, "bf16": torch.bfloat16, "sr": torch.bfloat16}
+
+
+def cpu_adam_settings(name: str) -> dict[str, Any] | None:
+    """The OffloadOptimizer options a contender's name gives (``cpu_adam:MASTER/STATES[/share=F][/bwd]``)."""
+    name = ALIASES.get(name, name)
+    if not name.startswith("cpu_adam:"):
+        return None
+    master, states, *rest = name.removeprefix("cpu_adam:").split("/")
+    if master not in MASTERS or states not in ("fp32", "bf16", "8bit"):
+        raise SystemExit(f"{name}: cpu_adam:MASTER/STATES with MASTER fp32, bf16 or sr, STATES fp32, bf16 or 8bit")
+    options = dict(master_weights_dtype=MASTERS[master], state_precision=states, stochastic_rounding=master == "sr")
+    for token in rest:
+        if token == "bwd":
+            options["overlap"] = "backward"
+        elif token.startswith("share="):
+            share = token.removeprefix("share=")
+            options["device_fraction"] = share if share == "auto" else float(share)
+        else:
+            raise SystemExit(f"{name}: {token!r} is neither share=F nor bwd")
+    return options
+
+
+def host_step_bytes(options: dict[str, Any]) -> float:
+    """Bytes one element of the host's step moves (``cpu_adam.plan``'s count)."""
+    from cpu_adam.plan.probe import step_bytes_per_param
+
+    return step_bytes_per_param(options["state_precision"], options["master_weights_dtype"])
 
 
 def rss_bytes() -> int:
@@ -131,7 +175,8 @@ class TorchAdamW(Contender):
         for p, m in zip(self.params, self.masters):
             m.grad = p.grad.float()
             p.grad = None
-        torch.nn.utils.clip_grad_norm_(self.masters, MAX_NORM, foreach=True)
+        if MAX_NORM is not None:
+            torch.nn.utils.clip_grad_norm_(self.masters, MAX_NORM, foreach=True)
         self.opt.step()
         with torch.no_grad():
             torch._foreach_copy_(self.params, self.masters)
@@ -172,7 +217,7 @@ class DeepSpeed(Contender):
             "train_micro_batch_size_per_gpu": batch,
             "gradient_accumulation_steps": 1,
             "bf16": {"enabled": True},
-            "gradient_clipping": MAX_NORM,
+            "gradient_clipping": MAX_NORM or 0.0,
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "weight_decay": WEIGHT_DECAY}},
             "zero_optimization": {
                 "stage": 2,
@@ -198,25 +243,23 @@ class DeepSpeed(Contender):
 
 
 class CpuAdamOffload(Contender):
-    def __init__(self, model: torch.nn.Module, name: str) -> None:
+    def __init__(self, model: torch.nn.Module, options: dict[str, Any]) -> None:
         super().__init__(model)
         from cpu_adam import OffloadOptimizer
 
-        master, states, _ = HOST_CONFIGS[name]
         self.opt = OffloadOptimizer(
-            param_groups(model, WEIGHT_DECAY),
-            lr=LR,
-            betas=BETAS,
-            max_grad_norm=MAX_NORM,
-            master_weights_dtype=master,
-            fp32_optimizer_states=states == torch.float32,
-            stochastic_rounding=master == torch.bfloat16,
+            param_groups(model, WEIGHT_DECAY), lr=LR, betas=BETAS, max_grad_norm=MAX_NORM, **options
         )
+        self.extra["host_step_bytes_per_element"] = host_step_bytes(options)
 
     def step(self) -> None:
         self.opt.step()
         t = self.opt.step_timings
-        self.host_split = {"grads_wait": t["grads_wait_s"], "cpu_adam": t["norm_s"] + t["adam_s"]}
+        self.host_split = {
+            "grads_wait": t["grads_wait_s"],
+            "cpu_adam": t["norm_s"] + t["adam_s"] - t["device_launch_s"],
+            "device_launch": t["device_launch_s"],
+        }
 
     def zero_grad(self) -> None:
         self.opt.zero_grad()
@@ -226,7 +269,49 @@ class CpuAdamOffload(Contender):
         self.extra.update(
             host_bytes_per_param_stats=stats["host_bytes_per_param"],
             optimizer_device_peak_bytes=stats["device_peak_bytes"],
+            device_share=stats["device_share"],
+            device_state_bytes=stats["device_state_bytes"],
+            device_streamed_bytes=stats["device_streamed_bytes"],
+            clipped=self.opt.max_grad_norm is not None and self.opt.last_grad_norm > self.opt.max_grad_norm,
         )
+
+
+class FSDP2(Contender):
+    """FSDP2 on a world of one with CPUOffloadPolicy: the optimizer steps the shards on the host."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: str) -> None:
+        super().__init__(model)
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("nccl" if on_cuda() else "gloo")
+        mesh = init_device_mesh("cuda" if on_cuda() else "cpu", (1,))
+        policy = CPUOffloadPolicy(pin_memory=on_cuda())
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, offload_policy=policy)
+        fully_shard(model, mesh=mesh, offload_policy=policy)
+        groups = param_groups(model, WEIGHT_DECAY)
+        if optimizer == "cpu_adam":
+            from cpu_adam import CPUAdam
+
+            self.opt = CPUAdam(groups, lr=LR, betas=BETAS, fp32_optimizer_states=False)
+            self.extra["note"] = "bf16 shards and moments, CPUAdam"
+        else:
+            self.opt = torch.optim.AdamW(groups, lr=LR, betas=BETAS, foreach=True)
+            self.extra["note"] = "bf16 shards and moments, torch AdamW"
+
+    def step(self) -> None:
+        if MAX_NORM is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), MAX_NORM)
+        self.opt.step()
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad()
 
 
 def build_contender(name: str, model: torch.nn.Module, batch: int) -> Contender:
@@ -236,9 +321,12 @@ def build_contender(name: str, model: torch.nn.Module, batch: int) -> Contender:
         return TorchAO(model)
     if name == "deepspeed":
         return DeepSpeed(model, batch)
-    if name in HOST_CONFIGS:
-        return CpuAdamOffload(model, name)
-    raise SystemExit(f"unknown contender {name!r}; choose from {', '.join(CONTENDERS)}")
+    if name in ("fsdp2_adamw", "fsdp2_cpu_adam"):
+        return FSDP2(model, name.removeprefix("fsdp2_"))
+    options = cpu_adam_settings(name)
+    if options is not None:
+        return CpuAdamOffload(model, options)
+    raise SystemExit(f"unknown contender {name!r}; choose from {', '.join(CONTENDERS)}, fsdp2_adamw, fsdp2_cpu_adam")
 
 
 # -- measuring one contender (in its own process) ---------------------------------------------------
@@ -329,6 +417,8 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
         for key, value in c.host_split.items():
             host.setdefault(key, []).append(value)
 
+    if args.record_timeline and isinstance(c, CpuAdamOffload):
+        record_timeline(c, data[0], os.path.join(args.record_timeline, f"{name.replace('/', '_')}.json"))
     copies = memcpy_stats(lambda: train_step(0))
     peak = device_memory(peak=True)
     rss = rss_bytes()
@@ -351,6 +441,74 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "final_loss": float(last_loss),
         **c.extra,
     }
+
+
+class _Marks:
+    """Points in time on the device's compute stream (CUDA events), or the host's clock on the CPU."""
+
+    def __init__(self) -> None:
+        self.marks: list[tuple[str, Any]] = []
+
+    def mark(self, label: str) -> None:
+        if on_cuda():
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append((label, event))
+        else:
+            self.marks.append((label, time.perf_counter()))
+
+    def seconds(self) -> list[tuple[str, float]]:
+        sync()
+        start = self.marks[0][1]
+        if on_cuda():
+            return [(label, start.elapsed_time(e) * 1e-3) for label, e in self.marks]
+        return [(label, t - start) for label, t in self.marks]
+
+
+def record_timeline(c: CpuAdamOffload, tokens: torch.Tensor, path: str) -> None:
+    """One step's timeline: when the forward ends, each bucket lands (its grads sent, on the device's clock), the
+    backward ends, and step() ends; with the step's timings and the optimizer's bytes, for bench_replay.py."""
+    rooms = c.opt._rooms
+    marks = _Marks()
+    real_down = rooms.link.down
+
+    def down(g: int, b: int, staging: torch.Tensor, **kwargs: Any) -> Any:
+        marks.mark(f"landing {g} {b} {rooms.layouts[g].pieces[b].numel} {int(rooms.share.on_device(g, b))}")
+        return real_down(g, b, staging, **kwargs)
+
+    rooms.link.down = down
+    try:
+        sync()
+        marks.mark("start")
+        loss = c.loss(tokens)
+        marks.mark("forward")
+        c.backward(loss)
+        marks.mark("backward")
+        c.step()
+        marks.mark("step")
+        c.zero_grad()
+    finally:
+        rooms.link.down = real_down
+    seconds = marks.seconds()
+    at = dict(seconds)
+    landings = [
+        dict(zip(("group", "bucket", "numel", "on_device"), map(int, label.split()[1:])), at_s=t - at["forward"])
+        for label, t in seconds
+        if label.startswith("landing")
+    ]
+    timeline = {
+        "forward_s": at["forward"],
+        "backward_s": at["backward"] - at["forward"],
+        "step_s": at["step"] - at["backward"],
+        "landings": landings,  # at_s: from the backward's start
+        "step_timings": c.opt.step_timings,
+        "memory_stats": c.opt.memory_stats(),
+        "max_grad_norm": MAX_NORM,
+        "last_grad_norm": c.opt.last_grad_norm,
+    }
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(timeline, f, indent=1)
 
 
 def worker(name: str, args: argparse.Namespace, out_path: str) -> None:
@@ -385,26 +543,39 @@ def pcie_probe(nbytes: int = 1 << 30, reps: int = 5) -> dict[str, float]:
     return out
 
 
-def cpu_probe(numel: int, reps: int = 5) -> dict[str, float]:
-    """GB/s of cpu_adam's bandwidth probe on every core, for the bytes of each host step config.
+def probe_key(options: dict[str, Any]) -> str:
+    """The host step config a contender's bytes are probed for."""
+    return f"{SHORT[options['master_weights_dtype']]} master / {options['state_precision']} states"
+
+
+SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+
+
+def cpu_probe(numel: int, contenders: list[str], reps: int = 5) -> dict[str, float]:
+    """GB/s of cpu_adam's bandwidth probe on every core, for the bytes of each host step config of the contenders.
 
     The best of the probe's variants (prefetch, streaming stores), interleaved round by round.
     """
     from cpu_adam import ops
+    from cpu_adam._precision import state_dtype
+    from cpu_adam.quant8 import blocks
 
+    configs = {probe_key(o): o for o in (cpu_adam_settings(name) for name in contenders) if o is not None}
     out = {}
-    for name, (master, states, bytes_per_param) in HOST_CONFIGS.items():
-        p = torch.zeros(numel, dtype=master)
+    for key, options in configs.items():
+        states = state_dtype(options["state_precision"])
+        p = torch.zeros(numel, dtype=options["master_weights_dtype"])
         g = torch.zeros(numel, dtype=torch.bfloat16)
         m, v = torch.zeros(numel, dtype=states), torch.zeros(numel, dtype=states)
+        scales = [torch.ones(2, blocks(numel))] if states == torch.uint8 else None
         times: dict[str, list[float]] = {variant: [] for variant in ops.PROBE_VARIANTS}
         for _ in range(reps + 1):
             for variant, record in times.items():
                 t = time.perf_counter()
-                ops.bandwidth_probe([p], [g], [m], [v], bf16_outs=[g], variant=variant)
+                ops.bandwidth_probe([p], [g], [m], [v], bf16_outs=[g], state_scales=scales, variant=variant)
                 record.append(time.perf_counter() - t)
         best = min(statistics.median(record[1:]) for record in times.values())
-        out[name] = numel * bytes_per_param / best / 1e9
+        out[key] = numel * host_step_bytes(options) / best / 1e9
         del p, g, m, v
     return out
 
@@ -418,7 +589,8 @@ def _copy_rate(rows: dict[str, dict[str, float]], params: int) -> tuple[float, f
 
 def report(results: list[dict[str, Any]], probes: dict[str, Any]) -> str:
     lines = [
-        f"device {probes['device']}, {probes['cpus']} CPUs, torch {probes['torch']}, {probes['torch_threads']} threads",
+        f"device {probes['device']}, {probes['cpus']} CPUs, torch {probes['torch']}, "
+        f"{probes['torch_threads']} threads, max_grad_norm {probes.get('max_grad_norm')}",
         f"PCIe probe (pinned, 1 GiB): down {probes['pcie']['down_GBps']:.1f} GB/s, "
         f"up {probes['pcie']['up_GBps']:.1f} GB/s",
         "CPU bandwidth probe: " + ", ".join(f"{k} {v:.1f} GB/s" for k, v in probes["cpu_GBps"].items()),
@@ -443,9 +615,11 @@ def report(results: list[dict[str, Any]], probes: dict[str, Any]) -> str:
         down_rate, down_bp = _copy_rate(down, r["params"])
         up_rate, up_bp = _copy_rate(up, r["params"])
         adam_gbps = pct = ""
-        if "cpu_adam" in s and r["contender"] in HOST_CONFIGS:
-            gbps = r["params"] * HOST_CONFIGS[r["contender"]][2] / (s["cpu_adam"] * 1e-3) / 1e9
-            adam_gbps, pct = f"{gbps:.1f}", f"{100 * gbps / probes['cpu_GBps'][r['contender']]:.0f}"
+        options = cpu_adam_settings(r["contender"])
+        host_elements = r["params"] * (1 - r.get("device_share", 0.0))
+        if "cpu_adam" in s and options is not None and host_elements and s["cpu_adam"] > 0:
+            gbps = host_elements * host_step_bytes(options) / (s["cpu_adam"] * 1e-3) / 1e9
+            adam_gbps, pct = f"{gbps:.1f}", f"{100 * gbps / probes['cpu_GBps'][probe_key(options)]:.0f}"
         lines.append(
             f"{r['contender']:<15}{r['tokens_per_s']:>10.0f}{r['step_s'] * 1e3:>9.1f}{s['forward']:>7.1f}"
             f"{s['backward']:>7.1f}{s['step_call']:>8.1f}{s['upload_tail']:>7.1f}{r['exposed_optimizer_s'] * 1e3:>9.1f}"
@@ -454,11 +628,14 @@ def report(results: list[dict[str, Any]], probes: dict[str, Any]) -> str:
             f"{down_rate:>10.1f}{up_rate:>8.1f}{down_bp:>9.2f}{up_bp:>7.2f}"
         )
     lines.append("")
-    for mine in HOST_CONFIGS:
-        if mine in ref:
-            peers = [o for o in ("deepspeed", "torchao", "torch_adamw") if o in ref]
+    for r in ok:
+        if cpu_adam_settings(r["contender"]) is not None:
+            mine = r["contender"]
+            peers = [o for o in ("deepspeed", "torchao", "torch_adamw", "fsdp2_adamw") if o in ref]
             vs = ", ".join(f"{ref[mine] / ref[o]:.2f}x {o}" for o in peers)
-            lines.append(f"{mine} tokens/s: {vs}")
+            share = f"device share {r.get('device_share', 0.0):.2f} ({r.get('device_state_bytes', 0) / 2**30:.1f} GiB "
+            share += f"resident, {r.get('device_streamed_bytes', 0) / 2**30:.1f} GiB streamed each way)"
+            lines.append(f"{mine} tokens/s: {vs}; {share}")
     return "\n".join(lines)
 
 
@@ -494,6 +671,8 @@ def plot(results: list[dict[str, Any]], path: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--contenders", default=",".join(CONTENDERS))
+    parser.add_argument("--max-grad-norm", default="1.0", help="clip at this global norm (none: no clipping)")
+    parser.add_argument("--record-timeline", metavar="DIR", help="each cpu_adam contender's timeline of one step")
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--dim", type=int, default=2048)
     parser.add_argument("--heads", type=int, default=16)
@@ -512,13 +691,17 @@ def main() -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    global MAX_NORM
+    MAX_NORM = None if args.max_grad_norm.lower() in ("none", "0") else float(args.max_grad_norm)
     if args.worker:
         worker(args.worker, args, args.out)
         return
 
     if not on_cuda() and not args.allow_cpu:
         raise SystemExit("bench_gpu_offload.py needs a CUDA GPU (bench_offload.py runs on the CPU)")
-    contenders = args.contenders.split(",")
+    contenders = [ALIASES.get(name, name) for name in args.contenders.split(",")]
+    for name in contenders:
+        cpu_adam_settings(name)  # a misspelt contender is refused before the probes run
 
     # Work in contenders; a probe takes seconds where a contender takes a minute or more.
     def work(name: str) -> float:
@@ -534,12 +717,13 @@ def main() -> None:
         with progress.phase("PCIe probe", probe_work, 0):
             pcie = pcie_probe()
     with progress.phase(f"CPU bandwidth probe, {args.probe_numel:,} elements", probe_work, 0):
-        cpu_gbps = cpu_probe(args.probe_numel)
+        cpu_gbps = cpu_probe(args.probe_numel, contenders)
     probes = {
         "device": torch.cuda.get_device_name() if on_cuda() else "cpu",
         "cpus": os.cpu_count(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
+        "max_grad_norm": MAX_NORM,
         "pcie": pcie,
         "cpu_GBps": cpu_gbps,
     }
