@@ -317,3 +317,32 @@ def test_auto_changing_the_share_from_step_to_step_gives_the_all_host_bits(monke
     for name in ("fp32-clip", "bf16-sr-8bit-clip_grad_norm_"):
         assert run_scenario(name, "copying", device_fraction="auto") == EXPECTED[f"{name}/copying"]
     assert len(set(seen)) > 2, f"the share changed from step to step: {seen}"
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@CUDA
+@pytest.mark.parametrize("budget", [None, 0], ids=["resident", "streamed"])
+@pytest.mark.parametrize("name", ["fp32-clip", "bf16-sr-8bit-clip_grad_norm_"])
+def test_on_cuda_a_random_share_gives_the_all_host_bits(name: str, budget: int | None):
+    def run(share) -> list:
+        options = dict(CONFIGS[name])
+        clip = options.pop("clip", None)
+        model = make_model(0, "cuda")
+        opt = OffloadOptimizer(model.parameters(), **HYPER, device_budget=budget, **options)
+        seen = []
+        for step, tokens in enumerate(batches(6, device="cuda")):
+            opt.device_fraction = share(step)
+            lm_loss(model, tokens).backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+            opt.zero_grad()
+            seen += [raw(p).cpu() for p in model.parameters()] + [opt.last_grad_norm]
+        seen += [raw(t) if torch.is_tensor(t) else t for g in opt.state_dict()["state"].values() for t in g.values()]
+        opt.close()
+        return seen
+
+    shared, host = run(random_shares(11)), run(lambda step: 0.0)
+    assert all(torch.equal(a, b) if torch.is_tensor(a) else a == b for a, b in zip(shared, host))
