@@ -195,6 +195,47 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def share_check(args: argparse.Namespace, fraction: float, steps: int = 3) -> dict[str, Any]:
+    """The device's share against the all-host step: the same model and batches, bit for bit, and each one's step().
+
+    On the CPU device the device kernel runs in Triton's interpreter: its time says nothing of a GPU's.
+    """
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    runs = {}
+    for share in (0.0, fraction):
+        torch.manual_seed(0)
+        model = GPT(args.vocab, args.dim, args.layers, args.heads, args.seq).to(device=device, dtype=torch.bfloat16)
+        opt = OffloadOptimizer(
+            model.parameters(),
+            lr=3e-4,
+            max_grad_norm=1.0,
+            state_precision=args.states,
+            master_weights_dtype=torch.bfloat16 if args.bf16_master else torch.float32,
+            stochastic_rounding=args.bf16_master,
+            device_fraction=share,
+            bucket_size=2**16,  # groups of several buckets: the share is a fraction of each
+        )
+        gen = torch.Generator().manual_seed(1)
+        times = []
+        for _ in range(steps):
+            tokens = torch.randint(args.vocab, (args.batch, args.seq), generator=gen).to(device)
+            F.cross_entropy(model(tokens[:, :-1]).float().reshape(-1, args.vocab), tokens[:, 1:].reshape(-1)).backward()
+            sync(device)
+            t = time.perf_counter()
+            opt.step()
+            sync(device)
+            times.append(time.perf_counter() - t)
+            opt.zero_grad()
+        state = opt.state_dict()["state"]
+        bits = [p.detach().cpu() for p in model.parameters()]
+        bits += [t for g in state.values() for t in g.values() if torch.is_tensor(t)]
+        runs[share] = (bits, statistics.median(times), opt.memory_stats()["device_share"])
+        opt.close()
+    (host_bits, host_s, _), (bits, share_s, share) = runs[0.0], runs[fraction]
+    equal = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(bits, host_bits))
+    return {"device_share": share, "bitwise_equal": equal, "step_s": share_s, "host_only_step_s": host_s}
+
+
 def _rank_main(rank: int, args: argparse.Namespace, store_path: str, results_path: str) -> None:
     # torchrun's environment, so the optimizer sees the ranks sharing this node's cores.
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(args.nproc)})
@@ -243,6 +284,12 @@ def main() -> None:
     parser.add_argument("--json", metavar="PATH", help="also write the results here")
     parser.add_argument("--nproc", type=int, default=1, help="ranks (ZeRO over torch.distributed)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    parser.add_argument(
+        "--device-fraction",
+        type=float,
+        metavar="F",
+        help="also train with the device stepping this share: its bits against the all-host run, and its step()",
+    )
     args = parser.parse_args()
     if args.nproc > 1:
         results = run_ranks(args)
@@ -282,6 +329,16 @@ def main() -> None:
     ):
         if result.get(key) is not None:
             print(f"{key:<40}{result[key]:>8.2f}")
+    if args.device_fraction is not None and args.nproc == 1:
+        share = result["share_check"] = share_check(args, args.device_fraction)
+        print(
+            f"device share {share['device_share']:.2f}: bitwise equal to the all-host run: "
+            f"{'yes' if share['bitwise_equal'] else 'NO'}; step() {share['step_s'] * 1e3:.1f} ms against "
+            f"{share['host_only_step_s'] * 1e3:.1f} ms all-host"
+            + (" (the device kernel in Triton's interpreter: bits, not speed)" if result["device"] == "cpu" else "")
+        )
+        if not share["bitwise_equal"]:
+            raise SystemExit("the device's share changed the results")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results if args.nproc > 1 else result, f, indent=2)
