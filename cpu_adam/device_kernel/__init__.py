@@ -14,6 +14,7 @@ interpreter runs the same source on a machine without a GPU.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 import platform
@@ -140,10 +141,8 @@ def prepare_step(
     launches = Launches()
     if not params:
         return launches
-    h = ops.fold_hyper(
-        step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode,
-        bias_correction=bias_correction, grad_scale=grad_scale,
-    )  # fmt: skip
+    scalars = (float(lr), float(beta1), float(beta2), float(eps), float(weight_decay))
+    h = _folded(int(step), *scalars, bool(adamw_mode), bool(bias_correction), float(grad_scale))
     random_bits = stochastic_rounding or bool(scales)
     if not random_bits:
         counter_offsets = [0] * len(params)
@@ -174,7 +173,7 @@ def prepare_step(
             end = min(n, begin + _PIECE)
             counter = int(counter_offsets[i]) + begin
             high, low = counter >> 32, counter & 0xFFFFFFFF
-            keys = (ops.random_key(seed, step, high), ops.random_key(seed, step, high + 1)) if random_bits else (0, 0)
+            keys = (_key(seed, step, high), _key(seed, step, high + 1)) if random_bits else (0, 0)
             wrap = min(end - begin, (1 << 32) - low)
             tensors = [_bits(t, begin, end) for t in (param, grads[i], exp_avgs[i], exp_avg_sqs[i])]
             tensors.append(_bits(out, begin, end) if out is not None else tensors[0])
@@ -189,6 +188,18 @@ def prepare_step(
             options = dict(**kinds, **flags, **tile, enable_fp_fusion=False)
             launches.add(kernel, grid, (*tensors, *sizes, *counters, *floats), options)
     return launches
+
+
+# A step launches a kernel per bucket, all with the same scalars and a few keys: each is computed once.
+@functools.lru_cache(maxsize=64)
+def _folded(*scalars: Any) -> ops.FoldedHyper:
+    names = ("step", "lr", "beta1", "beta2", "eps", "weight_decay", "adamw_mode", "bias_correction", "grad_scale")
+    return ops.fold_hyper(**dict(zip(names, scalars)))
+
+
+@functools.lru_cache(maxsize=256)
+def _key(seed: int, step: int, high: int) -> int:
+    return ops.random_key(seed, step, high)
 
 
 def _code(dtype: torch.dtype) -> int:
