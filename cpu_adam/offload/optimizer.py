@@ -16,7 +16,6 @@ The rooms it wires together (one concept each):
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -26,6 +25,7 @@ from torch import Tensor
 
 from .._precision import resolved_precision, state_dtype
 from .._signals import interrupts_deferred
+from .._turn import Turn
 from .._validation import check_hyper_parameters, check_param_group, checked_seed
 from . import refusals, steps
 from . import rooms as house
@@ -127,7 +127,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.bucket_size = bucket_size
         self._closed = False
         self._warned_no_grads = False
-        self._one_step = threading.Lock()
+        self._one_step = Turn()
 
         trainable = [[p for p in g["params"] if p.requires_grad] for g in self.param_groups]
         # Frozen when the flat layout was made: unfrozen later, they would never be trained.
@@ -200,12 +200,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One Adam step on the grads of the backward passes since the last step or zero_grad."""
-        if not self._one_step.acquire(blocking=False):
+        if not self._one_step.take():
             raise refusals.step_busy()
         try:
             return self._step(closure)
         finally:
-            self._one_step.release()
+            self._one_step.give_back()
 
     def _step(self, closure: Callable[[], Any] | None) -> Any:
         refusals.check_open(self._closed, "step")
