@@ -84,6 +84,7 @@ class Link:
         self._events: dict[tuple[int, int], Event] = {}
         self._inflight: deque[tuple[tuple[int, int], Event, list[Tensor]]] = deque()
         self._kept: dict[tuple[int, int], tuple[Event, list[Tensor], Tensor]] = {}  # the device's buckets: grads
+        self._reading: dict[tuple[int, int], Event] = {}  # uploads from host memory that is not a slot
         self._norm_plans: dict[tuple[int, int], tuple[Tensor, list[slice]]] = {}
         self.direct = dev.kernel_writes_params(world.size)
         self.upload_seconds = 0.0  # the host's time in uploads, all of them where the device is the host
@@ -245,7 +246,15 @@ class Link:
         if source is self.buffers[g].tensor:
             self.slots[(g, b)] = Slot.UPLOADING
             self._events[(g, b)] = self._dev.record()
+        else:  # the masters (bf16 masters are the weights), or the spare buffer of overlap="backward"
+            self._reading[(g, b)] = self._dev.record()
         self.upload_seconds += time.perf_counter() - t
+
+    def wait_uploads(self) -> None:
+        """Returns once the uploads that read host memory other than the slots (the masters) have read it."""
+        for event in self._reading.values():
+            self._dev.wait_host(event)
+        self._reading.clear()
 
     def device_weights(self, g: int, b: int) -> tuple[Tensor, Tensor]:
         """(a zeroed bf16 buffer of bucket ``b`` on the device, this rank's piece of it): where the device's step

@@ -120,6 +120,10 @@ def build(
         for ps in trainable
     ]
     store = HostStore(layouts, options.master_dtype, options.state_dtype, pinnable=dev.is_cuda)
+    if options.master_dtype == torch.bfloat16:  # the masters are the weights: they go up as they are
+        for g, layout in enumerate(layouts):
+            if layout is not None:
+                store.pin(g, master_only=True)
     model = ModelSide(trainable, layouts, dev.device)
     if device is not None:
         hand_over(model, layouts, store, world)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import torch
 from torch import Tensor
 
 from ..ops import adam_step, group_counter_base
@@ -92,10 +93,22 @@ class Stepper:
                 for step in {n + 1 for n, x in zip(self._store.steps[g], got[g]) if x}:
                     adam_step([], [], [], [], step=step, check_only=True, **hyper)
 
+    @property
+    def master_is_weight(self) -> bool:
+        """Whether the new weights are uploaded from the masters themselves: bf16 masters, which round to themselves,
+        so that the kernel writes no bf16 copy (where it writes into the params, ``direct``, it still does)."""
+        return self._store.master_dtype == torch.bfloat16 and not self._link.direct
+
+    def upload_source(self, g: int) -> Tensor | None:
+        """The host memory group ``g``'s new weights go up from: its masters where they are the weights, else the
+        link's slots (None)."""
+        return self._store.master(g, slice(None)) if self.master_is_weight else None
+
     def step(self, chunk: Chunk, hyper: dict[str, Any], grads: dict[tuple[int, int], Tensor], got: list[bool]) -> None:
-        """Adam on ``chunk`` with ``hyper`` (its ``grad_scale`` included) over the params that ``got`` a grad."""
+        """Adam on ``chunk`` with ``hyper`` (its ``grad_scale`` included) over the params that ``got`` a grad; its
+        new weights go where ``upload_source`` says."""
         self._check_storage(chunk.group)
-        run(self.calls(chunk, hyper, grads, got))
+        run(self.calls(chunk, hyper, grads, got, weights=not self.master_is_weight))
         self.advance(chunk, got)
 
     def calls(
@@ -181,7 +194,8 @@ class Stepper:
         g = chunk.group
         counts = self._store.steps[g] if counts is None else counts
         buffer = self._link.buffers[g].tensor
-        cached = outputs is None and weights and counts is self._store.steps[g]
+        own = weights != self.master_is_weight  # the weights written where step() writes them
+        cached = outputs is None and own and counts is self._store.steps[g]
         segments = self._segments_of(chunk)
         steps = {counts[i] + 1 for i, *_ in segments if got[i]}  # the step being taken
         reusable = cached and all(got[i] for i, *_ in segments) and len(steps) == 1

@@ -21,6 +21,7 @@ __all__ = ["ready", "take"]
 def ready(r: Rooms) -> bool:
     """The masters those of the weights, and the device's share of the state in place (the grads have landed);
     returns whether masters were taken from weights written since the last step (previews read other numbers)."""
+    r.link.wait_uploads()  # the last step's, from the masters, long done: the masters may be written again
     if not r.model.in_sync():  # the masters are about to be taken from the weights: the commits first
         r.overlap.settle()
         r.device_store.write_back()
@@ -40,10 +41,11 @@ def take(r: Rooms, hypers: list[dict[str, Any] | None], finished: Finished, sync
     with r.dev.uploading():  # after what the compute stream still does with the weights
         overlapped = r.overlap.upload(hypers, finished, synced)
         for g, hyper in enumerate(hypers):
+            source = r.stepper.upload_source(g)
             for chunk in [] if overlapped or hyper is None else r.stepper.chunks[g]:
                 r.stepper.step(chunk, hyper, finished.grads, finished.got[g])
                 for b in range(chunk.first, chunk.last):  # overlapping the next chunk's compute
-                    r.link.up(g, b, finished.got[g])
+                    r.link.up(g, b, finished.got[g], source)
     t = time.perf_counter()
     r.device_stepper.run(device_part)  # queued on the device behind the backward, in its order
     launch_s = time.perf_counter() - t

@@ -71,12 +71,14 @@ class HostStore:
             None if layout is None else _GroupState(layout, master_dtype, state_dtype) for layout in layouts
         ]
         self.steps = [[] if layout is None else [0] * len(layout.shapes) for layout in layouts]
+        self.master_dtype = master_dtype
         self._pinnable = pinnable  # the device is a CUDA device, which copies page-locked memory asynchronously
 
-    def pin(self, g: int) -> None:
-        """Page-locks group ``g``'s state (once), for copies to and from the device that overlap other work."""
+    def pin(self, g: int, *, master_only: bool = False) -> None:
+        """Page-locks group ``g``'s state (once), or its master alone, for copies to and from the device that overlap
+        other work."""
         if self._pinnable:
-            for buffer in self._groups[g].buffers:
+            for buffer in self._groups[g].buffers[: 1 if master_only else None]:
                 buffer.pin()
 
     def close(self) -> None:
