@@ -104,17 +104,40 @@ def _non_finite(model, opt, step) -> None:
             p.grad.mul_(float("inf"))
 
 
-@pytest.mark.parametrize(
-    ("event", "options"),
-    [(_lr_changed, {}), (_weights_written, {}), (_clipped_by_hand, {}), (None, {"max_grad_norm": 0.05})],
-    ids=["lr changed", "weights written", "clip_grad_norm_", "max_grad_norm"],
-)
-def test_other_numbers_than_the_previews_read_make_them_again_and_equal_the_serial_step(event, options: dict):
-    serial, _ = _train("none", event, **options)
-    overlapped, held = _train("backward", event, **options)
+def test_weights_written_before_step_make_the_previews_again_and_equal_the_serial_step():
+    serial, _ = _train("none", _weights_written)
+    overlapped, held = _train("backward", _weights_written)
     assert _same(overlapped, serial)
     assert all(held), "the grads were those the previews read: every step is deferred all the same"
     assert REMADE["backward"] == STEPS, "every step made its previews again"
+
+
+@pytest.mark.parametrize("event", [_lr_changed, _clipped_by_hand], ids=["lr changed", "clip_grad_norm_"])
+def test_numbers_that_change_after_backward_stop_the_previews_and_the_steps_run_as_serial_ones(event):
+    # The first step's previews are made again with the step's numbers; the backward after a step whose numbers
+    # were not the previews' previews nothing, and its step runs as "none" runs it, in one pass.
+    serial, _ = _train("none", event)
+    overlapped, held = _train("backward", event)
+    assert _same(overlapped, serial)
+    assert held == [True] + [False] * (STEPS - 1) and REMADE["backward"] == 1
+
+
+def test_a_backward_whose_grads_already_clip_previews_nothing_and_its_step_runs_as_a_serial_one(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    previews = []
+    real = offload.overlap.run
+
+    def counting(calls, *, preview: bool = False) -> None:
+        previews.extend(call for call in calls if preview or call.get("then") is not None)
+        real(calls, preview=preview)
+
+    _patch_run(monkeypatch, counting)
+    serial, _ = _train("none", max_grad_norm=1e-4)  # every bucket's grads alone are past it
+    overlapped, held = _train("backward", max_grad_norm=1e-4)
+    assert _same(overlapped, serial)
+    assert not any(held) and REMADE["backward"] == 0
+    assert not previews, "a preview was made in a window whose grads already clipped"
 
 
 @pytest.mark.parametrize(
@@ -419,4 +442,6 @@ def test_zero_ranks_stepping_during_backward_equal_the_serial_step(tmp_path: Pat
     for rank in range(2):
         serial, overlapped = (torch.load(tmp_path / f"{mode}{rank}.pt") for mode in ("none", "backward"))
         assert _same(overlapped["seen"], serial["seen"])
-        assert all(overlapped["held"]), "the lr changed after backward: that step's previews are made again"
+        # The lr changed after step 2's backward: its previews are made again; the next backward previews nothing
+        # (the numbers had changed under the last) and its step runs serially; then the previews hold again.
+        assert overlapped["held"] == [True, True, True, False, True]

@@ -165,6 +165,13 @@ class DeviceOps:
             self._link_rates = (rates[0], rates[1])
         return self._link_rates
 
+    def to_host(self, t: Tensor) -> Tensor:
+        """``t`` (a small device tensor) copied to page-locked host memory, queued on the current stream: valid once
+        an event recorded after it has completed. On the host device, ``t`` itself."""
+        if self.host_addressable:
+            return t
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=self.is_cuda).copy_(t, non_blocking=self.is_cuda)
+
     def copied_up(self, host: Tensor) -> Tensor:
         """A copy of host tensor ``host`` in device memory (its own memory also where the device is the host),
         queued on the current stream."""

@@ -57,6 +57,7 @@ class Landing(NamedTuple):
     event: Event
     params: Tensor | None  # the params' indices in their group (on the device); None without norms
     sq: Tensor | None  # float32, one per param
+    sq_host: Tensor | None = None  # the same in host memory, once the event has completed
 
 
 class Link:
@@ -122,23 +123,25 @@ class Link:
             mine = self._world.reduce_scatter(staging, into=self._dev.writable_host(host))
             if mine is not staging and mine is not host:
                 held.append(self._dev.hold(mine))
-            params = sq = None
+            params = sq = sq_host = None
             if where is not None:
                 mine = mine[where[0]] if mine is staging else mine
                 if take_norms:
                     params, sq = self._norms(g, b, mine)
+                    sq_host = None if sq is None else self._dev.to_host(sq)
                 if not keep:
                     self._dev.copy(host, mine)
             event = self._dev.record()
+        landing = Landing(event, params, sq, sq_host)
         if keep:
             self._drop_kept((g, b))
             self._kept[(g, b)] = (event, held, mine)
-            return Landing(event, params, sq)
+            return landing
         self.slots[(g, b)] = Slot.RECEIVING
         self._events[(g, b)] = event
         self._inflight.append(((g, b), event, held))
         self._reap(self._max_inflight)
-        return Landing(event, params, sq)
+        return landing
 
     def _ready_to_receive(self, g: int, b: int) -> None:
         # The side stream orders a copy down after an upload from the same slot; a copy still

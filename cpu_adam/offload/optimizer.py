@@ -143,7 +143,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
             checked_budget(device_budget),
         )
         hyper_of = lambda g, scale: self._hyper(self.param_groups[g], scale)  # noqa: E731
-        self._rooms, self.seed = house.build(trainable, device, process_group, options, seed, hyper_of)
+        self._rooms, self.seed = house.build(
+            trainable, device, process_group, options, seed, hyper_of, lambda: self._max_grad_norm
+        )
         self._device_fraction = device_fraction
         # Wrappers that copy this __dict__ (Lightning's) are other objects: they must not close it.
         # An id, not a weak reference: the cycle collector clears those before __del__ runs.

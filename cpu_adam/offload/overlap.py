@@ -28,6 +28,7 @@ always the serial step's.
 
 from __future__ import annotations
 
+import math
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -78,7 +79,8 @@ class NoOverlap:
 class _Preview(NamedTuple):
     epoch: int  # the window it was made in
     hyper: dict[str, Any]  # what it speculated
-    calls: list[dict[str, Any]]  # its kernel calls; none where not made (the last step's previews read other numbers)
+    calls: list[dict[str, Any]]  # its kernel calls (none where this rank's piece holds no param's elements)
+    made: bool  # False: not previewed (the last step's numbers were not its previews', or the grads clip)
     got: tuple[bool, ...]  # the bucket's params that had a grad
     steps: tuple[int, ...]
 
@@ -95,9 +97,13 @@ class BackwardOverlap:
         link: Link,
         hyper_of: Callable[[int, float], dict[str, Any]],
         share: Share,
+        clip_at: Callable[[], float | None],
     ) -> None:
         self._dev = dev
         self._share = share  # its buckets are stepped on the device at step(), not here
+        self._clip_at = clip_at  # max_grad_norm now
+        self._norms: list[tuple[Any, Tensor]] = []  # this window's landings' squared norms not yet summed
+        self._partial_sq = 0.0  # those summed: a lower bound of the window's
         self._world = world
         self._layouts = layouts
         self._window = window
@@ -157,8 +163,10 @@ class BackwardOverlap:
         hyper = self._hyper_of(g, 1.0 / self._world.size)
         steps = tuple(self._stepper.steps(g)[i] for i in members)
         slots = {key: self._link.buffers[g].tensor}
-        preview = self._stepper.calls(chunk, hyper, slots, got, outputs=self.spare[g].tensor) if self._speculate else []
-        self._previews[key] = _Preview(self._window.epoch, hyper, preview, tuple(got[i] for i in members), steps)
+        previewing = self._speculate and not self._clipping_certain(landing)
+        preview = self._stepper.calls(chunk, hyper, slots, got, outputs=self.spare[g].tensor) if previewing else []
+        members_got = tuple(got[i] for i in members)
+        self._previews[key] = _Preview(self._window.epoch, hyper, preview, previewing, members_got, steps)
         # Taken now, not when the job runs: a landing of the same bucket before then (the backward
         # after a failed one) must not commit the deferred step a second time.
         commit = self._deferred.take(key)
@@ -181,6 +189,16 @@ class BackwardOverlap:
 
         self._landed.append(key)
         self._tickets[key] = self._worker.submit(job)
+
+    def _clipping_certain(self, landing: Landing) -> bool:
+        """Whether the grads landed so far already clip this window (the squares only add up): then no preview of
+        the numbers of no clipping can hold, and none is made. Only the norms whose copies are done are read."""
+        if landing.sq_host is not None:
+            self._norms.append((landing.event, landing.sq_host))
+        while self._norms and self._dev.done(self._norms[0][0]):
+            self._partial_sq += float(self._norms.pop(0)[1].double().sum())
+        limit = self._clip_at()
+        return limit is not None and math.sqrt(self._partial_sq) / self._world.size > limit
 
     # -- at step() and wherever the state is read -----------------------------------------------
 
@@ -217,7 +235,10 @@ class BackwardOverlap:
             return False
         keys, differ, unmade = held
         self._speculate = not differ
-        remake = differ or unmade or synced
+        if unmade:  # the backward did not preview (the step clips): serially, as with "none", in one pass
+            self.settle()
+            return False
+        remake = differ or synced
         if remake:
             self.settle()
             self.remade += 1
@@ -261,7 +282,7 @@ class BackwardOverlap:
                     return None
                 keys.append((g, b))
                 differ = differ or preview.hyper != hypers[g]
-                unmade = unmade or not preview.calls
+                unmade = unmade or not preview.made
         return keys, differ, unmade
 
     def _previewed(self, hypers: list[dict[str, Any] | None], finished: Finished, keys: list[Key]) -> Iterator[Key]:
@@ -324,6 +345,8 @@ class BackwardOverlap:
         self._order = list(self._landed)
 
     def reset(self) -> None:
+        self._norms.clear()
+        self._partial_sq = 0.0
         self._previews.clear()
         self._failed.clear()
         self._tickets.clear()

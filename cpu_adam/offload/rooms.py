@@ -77,6 +77,7 @@ def build(
     options: Options,
     seed: int | None,
     hyper_of: Callable[[int, float], dict[str, Any]],
+    clip_at: Callable[[], float | None],
 ) -> tuple[Rooms, int]:
     """The rooms over the ``trainable`` params of each group, and the seed every rank uses.
 
@@ -143,7 +144,7 @@ def build(
     overlap = (
         NoOverlap()
         if options.overlap == "none"
-        else BackwardOverlap(dev, world, layouts, window, stepper, store, link, hyper_of, share)
+        else BackwardOverlap(dev, world, layouts, window, stepper, store, link, hyper_of, share, clip_at)
     )
     hooks = Hooks(dev, trainable, layouts, link, window, schedule_for(world, layouts), overlap, device_store, planner)
     rooms = Rooms(
