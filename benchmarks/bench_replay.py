@@ -18,9 +18,14 @@ copies (the default) it makes the copies a GPU's copy engines would make, all on
 the kernel; the exposed time includes them. ``step()`` less its uploads is the part of the CPU
 step that a GPU run would still see after backward.
 
-    python benchmarks/bench_replay.py                    # ~1 minute on 2 cores
+Each config runs two grad-norm trajectories with clipping at 1.0: grads of norm 0.5, which never
+clip, and of norm 2, which clip every step, as real training's do nearly every step (about 99% of
+them in LM pre-training): with clipping an exact step needs the global norm first.
+
+    python benchmarks/bench_replay.py                    # ~2 minutes on 2 cores
     python benchmarks/bench_replay.py --no-copies        # the CPU as the device itself: no copies
     python benchmarks/bench_replay.py --json replay.json
+    python benchmarks/bench_replay.py --timeline DIR/cpu_adam:sr_bf16.json   # a GPU run's recorded timeline
 
 The table goes to stdout; a line per phase (each config's serial probe, then each overlap mode)
 with the time left goes to stderr (``--quiet``: none).
@@ -119,8 +124,16 @@ class _Layer(torch.autograd.Function):
         return ctx.pool.pop(), None, None
 
 
+TRAJECTORIES = {"never clips": 0.5, "clips every step": 2.0}  # the grads' norm; max_grad_norm is 1.0
+
+
 def _timed_steps(
-    args: argparse.Namespace, options: dict, overlap: str, timeline: tuple[float, float], tick: Phase
+    args: argparse.Namespace,
+    options: dict,
+    overlap: str,
+    timeline: tuple[float, float],
+    tick: Phase,
+    grad_norm: float = 0.5,
 ) -> dict:
     forward_s, backward_s = timeline
     offload_rooms.DeviceOps = CopyingDevice if args.copies else DeviceOps
@@ -140,7 +153,7 @@ def _timed_steps(
     grads = [torch.randn(p.numel(), generator=g) for p in layers]
     total = sum(float(x.square().sum()) for x in grads) ** 0.5
     for pool, x in zip(pools, grads):
-        pool.append((x * args.grad_norm / total).to(torch.bfloat16))
+        pool.append((x * grad_norm / total).to(torch.bfloat16))
     clock = _Clock(backward_s / args.layers)
     steps, previewed = [], 0
     for i in range(args.warmup + args.steps):
@@ -185,9 +198,15 @@ def _timeline(args: argparse.Namespace, options: dict, tick: Phase) -> tuple[flo
     (packing, norms, copies down): on a GPU that is the device's work, not the host's.
     """
     probe = _timed_steps(args, options, "none", (0.0, 0.0), tick)
-    gpu = probe["step_call_ms"] / 1e3 / args.cpu_share
+    forward, backward, cpu_share = FORWARD_MS, BACKWARD_MS, args.cpu_share
+    if args.timeline:  # a GPU run's: its phases, and its CPU step's share of them
+        with open(args.timeline) as f:
+            recorded = json.load(f)
+        forward, backward = recorded["forward_s"], recorded["backward_s"]
+        cpu_share = recorded["step_timings"]["adam_s"] / (forward + backward)
+    gpu = probe["step_call_ms"] / 1e3 / cpu_share
     device_work = probe["forward_backward_ms"] / 1e3
-    return gpu * FORWARD_MS / (FORWARD_MS + BACKWARD_MS), gpu * BACKWARD_MS / (FORWARD_MS + BACKWARD_MS) + device_work
+    return gpu * forward / (forward + backward), gpu * backward / (forward + backward) + device_work
 
 
 def main() -> None:
@@ -196,8 +215,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=128, help="a bucket each")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--grad-norm", type=float, default=0.5, help="of every step's grads; max_grad_norm is 1.0")
     parser.add_argument("--cpu-share", type=float, default=0.9, help="serial CPU step / (forward + backward)")
+    parser.add_argument("--timeline", metavar="PATH", help="bench_gpu_offload.py --record-timeline's file of one step")
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names of CONFIGS")
     parser.add_argument(
         "--no-copies",
@@ -214,35 +233,41 @@ def main() -> None:
     steps = args.warmup + args.steps
     # Work in serial CPU steps: a replayed step adds the simulated GPU's time, 1 / cpu_share of one.
     replayed = 1 + 1 / args.cpu_share
-    progress = Progress(3 * len(configs), len(configs) * steps * (1 + 2 * replayed), "bench_replay", quiet=args.quiet)
+    runs = 2 * len(TRAJECTORIES)
+    progress = Progress(
+        (1 + runs) * len(configs), len(configs) * steps * (1 + runs * replayed), "bench_replay", quiet=args.quiet
+    )
     print(f"{args.params / 1e6:.1f}M params in {args.layers} layers, {torch.get_num_threads()} threads")
     print(
-        f"{'config':<30}{'overlap':<10}{'step ms':>9}{'gpu ms':>8}{'exposed':>9}{'late':>7}{'step()':>8}"
+        f"{'config':<30}{'grads':<18}{'overlap':<10}{'step ms':>9}{'gpu ms':>8}{'exposed':>9}{'late':>7}{'step()':>8}"
         f"{'uploads':>9}{'worker':>8}{'previewed':>11}"
     )
     for name in configs:
         options = CONFIGS[name]
         with progress.phase(f"{name}, serial probe", steps) as tick:
             timeline = _timeline(args, options, tick)
-        for overlap in ("none", "backward"):
-            with progress.phase(f"{name}, overlap {overlap}", steps * replayed, steps) as tick:
-                row = {"config": name, "overlap": overlap, **_timed_steps(args, options, overlap, timeline, tick)}
-            rows.append(row)
-            late = row["forward_backward_ms"] - row["gpu_ms"]
+        for trajectory, norm in TRAJECTORIES.items():
+            for overlap in ("none", "backward"):
+                with progress.phase(f"{name}, {trajectory}, overlap {overlap}", steps * replayed, steps) as tick:
+                    row = _timed_steps(args, options, overlap, timeline, tick, norm)
+                row = {"config": name, "trajectory": trajectory, "overlap": overlap, **row}
+                rows.append(row)
+                late = row["forward_backward_ms"] - row["gpu_ms"]
+                print(
+                    f"{name:<30}{trajectory:<18}{overlap:<10}{row['step_ms']:>9.1f}{row['gpu_ms']:>8.1f}"
+                    f"{row['exposed_ms']:>9.1f}{late:>7.1f}{row['step_call_ms']:>8.1f}{row['uploads_ms']:>9.1f}"
+                    f"{row['worker_wait_ms']:>8.1f}{row['previewed_steps']:>7}/{args.steps}",
+                    flush=True,
+                )
+            none, backward = rows[-2], rows[-1]
+            serial_step = none["step_call_ms"] - none["uploads_ms"]
             print(
-                f"{name:<30}{overlap:<10}{row['step_ms']:>9.1f}{row['gpu_ms']:>8.1f}{row['exposed_ms']:>9.1f}"
-                f"{late:>7.1f}{row['step_call_ms']:>8.1f}{row['uploads_ms']:>9.1f}{row['worker_wait_ms']:>8.1f}"
-                f"{row['previewed_steps']:>7}/{args.steps}",
+                f"{'':<48}with overlap: step {backward['step_ms'] / none['step_ms']:.2f}x the serial's, exposed "
+                f"{backward['exposed_ms'] / none['exposed_ms']:.0%} of its; step() less uploads "
+                f"{(backward['step_call_ms'] - backward['uploads_ms']) / serial_step:.0%}, the worker's wait "
+                f"{backward['worker_wait_ms'] / serial_step:.0%}",
                 flush=True,
             )
-        none, backward = rows[-2], rows[-1]
-        serial_step = none["step_call_ms"] - none["uploads_ms"]
-        print(
-            f"{'':<30}with overlap: exposed {backward['exposed_ms'] / none['exposed_ms']:.0%} of the serial's; "
-            f"step() less uploads {(backward['step_call_ms'] - backward['uploads_ms']) / serial_step:.0%}, "
-            f"the worker's wait {backward['worker_wait_ms'] / serial_step:.0%}",
-            flush=True,
-        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "args": vars(args)}, f, indent=2)

@@ -119,8 +119,10 @@ def test_bench_replay_prints_phase_lines_on_stderr_and_its_table_on_stdout(tmp_p
     run = run_benchmark("bench_replay.py", *args, "--json", str(out))
 
     lines = progress_lines(run.stderr, "bench_replay")
-    phases = [f"{config}, serial probe", f"{config}, overlap none", f"{config}, overlap backward"]
-    names = [f"bench_replay [{i + 1}/3] {phase}" for i, phase in enumerate(phases)]
+    runs = [f"{trajectory}, overlap {overlap}" for trajectory in ("never clips", "clips every step") for overlap in
+            ("none", "backward")]  # fmt: skip
+    phases = [f"{config}, serial probe", *(f"{config}, {run}" for run in runs)]
+    names = [f"bench_replay [{i + 1}/5] {phase}" for i, phase in enumerate(phases)]
     assert [line.split(": ")[0] for line in lines] == [name for name in names for _ in ("start", "end")]
     assert lines[0].endswith("time left not known yet")
     assert all(LEFT.search(line) for line in lines[1:]), lines
@@ -130,9 +132,12 @@ def test_bench_replay_prints_phase_lines_on_stderr_and_its_table_on_stdout(tmp_p
     assert stdout[0] == f"0.1M params in 4 layers, {torch.get_num_threads()} threads"
     assert stdout[1].startswith("config") and stdout[1].endswith("uploads  worker  previewed")
     assert [line.startswith(config) for line in stdout[2:4]] == [True, True] and "with overlap:" in stdout[4]
-    assert len(stdout) == 5 and "bench_replay [" not in run.stdout
+    assert [line.startswith(config) for line in stdout[5:7]] == [True, True] and "with overlap:" in stdout[7]
+    assert len(stdout) == 8 and "bench_replay [" not in run.stdout
     rows = json.loads(out.read_text())["rows"]
-    assert [r["overlap"] for r in rows] == ["none", "backward"]
+    assert [(r["trajectory"], r["overlap"]) for r in rows] == [
+        (t, o) for t in ("never clips", "clips every step") for o in ("none", "backward")
+    ]
 
 
 def test_states_quality_in_processes_prints_a_line_as_each_run_ends(tmp_path: Path) -> None:
