@@ -8,6 +8,7 @@ process (one step of each per round, many rounds) and quotes medians of per-roun
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import platform
 import re
@@ -15,6 +16,7 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -262,11 +264,26 @@ def machine() -> dict[str, object]:
     }
 
 
+@contextmanager
+def peers_quiet() -> Iterator[None]:
+    """The peers' chatter held back (import-time notices of optional libraries they could not load, deprecation
+    warnings, DeepSpeed's accelerator notice), printed through logging and warnings; ours goes through print."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.disable(previous)
+
+
 def deepspeed_adam() -> tuple[type | None, str]:
     """DeepSpeedCPUAdam and its version, or None and why it cannot be used."""
     try:
-        import deepspeed
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        with peers_quiet():
+            import deepspeed
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
     except Exception as exc:  # ImportError, or deepspeed failing its own import-time checks
         return None, f"not installed ({type(exc).__name__})"
     return DeepSpeedCPUAdam, f"deepspeed {deepspeed.__version__}"

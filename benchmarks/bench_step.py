@@ -44,6 +44,7 @@ from _common import (
     machine,
     parse_size,
     parse_threads,
+    peers_quiet,
     ratio,
     size_label,
     spread,
@@ -238,19 +239,23 @@ def step_group(
             continue
         size = min(n, PEER8_MAX_PARAMS) if name in PEERS8 else n
         b = Buffers.make(source[:size], cfg, out=False)
-        opt = peer_optimizer(name, b.param, b.grad, cfg.state)
-        if opt is None:
-            continue
-        if name in PEERS8:
-            # A first step outside the rounds: torchao compiles its step there (about 20 s).
-            print(f"{cfg.label}: first step of {name} on {size_label(size)} params ...", file=sys.stderr, flush=True)
-            try:
-                opt.step()
-            except Exception as exc:  # whatever a peer raises on CPU tensors, its row says why
-                peers_on[name] = False
-                peers_status[name] = f"failed ({type(exc).__name__})"
-                print(f"{name}: {type(exc).__name__}: {exc}"[:300], file=sys.stderr)
+        try:
+            with peers_quiet():
+                opt = peer_optimizer(name, b.param, b.grad, cfg.state)
+            if opt is None:
                 continue
+            if name in PEERS8:
+                # A first step outside the rounds: torchao compiles its step there (about 20 s).
+                print(
+                    f"{cfg.label}: first step of {name} on {size_label(size)} params ...", file=sys.stderr, flush=True
+                )
+                with peers_quiet():
+                    opt.step()
+        except Exception as exc:  # whatever a peer raises on import or on CPU tensors, its row says why
+            peers_on[name] = False
+            peers_status[name] = f"failed ({type(exc).__name__})"
+            print(f"{name}: {type(exc).__name__}: {exc}"[:300], file=sys.stderr)
+            continue
         group.append((Contender(name, opt.step, round(cfg.bytes_per_param(False) * size)), PROBE))
         PEER_PARAMS[name] = size
     return group
@@ -412,11 +417,11 @@ def peer_status(skip_deepspeed: bool, with_8bit: bool) -> tuple[dict[str, bool],
         if not with_8bit:
             status[name] = "skipped"
             continue
-        try:
-            importlib.import_module(module)
+        # Found, not imported: their imports print notices, which come where they are timed, held back there.
+        if importlib.util.find_spec(module.split(".")[0]) is not None:
             on[name] = True
-        except Exception as exc:  # ImportError, or a failing import-time check of the package
-            status[name] = f"not installed ({type(exc).__name__})"
+        else:
+            status[name] = "not installed"
     ds_cls, why = deepspeed_adam()
     if skip_deepspeed:
         status[DEEPSPEED] = "skipped"
