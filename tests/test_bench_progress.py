@@ -167,22 +167,22 @@ def test_bench_gpu_offload_reports_each_probe_and_contender(tmp_path: Path) -> N
     out = tmp_path / "gpu.json"
     size = ("--layers", "1", "--dim", "64", "--heads", "2", "--vocab", "256", "--seq", "32", "--batch", "2")
     steps = ("--warmup", "1", "--steps", "1", "--split-steps", "1", "--probe-numel", "65536")
-    run = run_benchmark(
+    run = run_benchmark(  # cpu_adam_fp32: the old name of cpu_adam:fp32/fp32
         "bench_gpu_offload.py", "--allow-cpu", *size, *steps, "--contenders", "cpu_adam_fp32", "--json", str(out)
     )
 
     lines = progress_lines(run.stderr, "bench_gpu_offload")
     phases = (["PCIe probe"] if torch.cuda.is_available() else []) + [
         "CPU bandwidth probe, 65,536 elements",
-        "cpu_adam_fp32 (at most 300 s)",
+        "cpu_adam:fp32/fp32 (at most 300 s)",
     ]
     assert [line.split("] ", 1)[1].split(": ")[0] for line in lines] == [
         phase for phase in phases for _ in ("start", "end")
     ]
     assert all(LEFT.search(line) for line in lines[1:]), lines
-    assert re.search(r"cpu_adam_fp32 \(at most 300 s\): done in \d+\.\d s, [\d,]+ tokens/s;", lines[-1])
+    assert re.search(r"cpu_adam:fp32/fp32 \(at most 300 s\): done in \d+\.\d s, [\d,]+ tokens/s;", lines[-1])
 
-    assert run.stdout.startswith("device ") and "cpu_adam_fp32: {" in run.stdout
+    assert run.stdout.startswith("device ") and "cpu_adam:fp32/fp32: {" in run.stdout
     assert "bench_gpu_offload [" not in run.stdout
     results = json.loads(out.read_text())["results"]
-    assert [r["contender"] for r in results] == ["cpu_adam_fp32"] and "error" not in results[0]
+    assert [r["contender"] for r in results] == ["cpu_adam:fp32/fp32"] and "error" not in results[0]
