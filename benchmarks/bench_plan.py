@@ -4,9 +4,10 @@
 
 For each size: ``cpu_adam.plan`` probes the bandwidth as ``python -m cpu_adam.plan`` does and
 estimates each configuration's step; then ``bench_step.py``'s step section (``--sections step``,
-the peers left out) measures the kernel in the offload step's configurations (bf16 grads, the
-bf16 weights written over them: its "cpu_adam + out=grad" rows) and, in the same rounds, the
-probe of each configuration. "measured / estimate" is how far the estimate is from the step;
+the peers left out) measures the kernel in the offload step's configurations (bf16 grads; with
+fp32 masters the bf16 weights written over them, its "cpu_adam + out=grad" rows; a bf16 master
+is the weight, its "cpu_adam" rows) and, in the same rounds, the probe of each configuration.
+"measured / estimate" is how far the estimate is from the step;
 "probe / estimate" how far the bandwidth moved between the planner's probe and the rounds.
 """
 
@@ -44,8 +45,9 @@ def compare(n: int, rounds: int, warmup: int, probe_seconds: float, progress: Pr
     body = []
     for (master, states), estimate in estimates.items():
         label = f"{master}/bf16/{states}"
-        step = measured[(label, bench_step.CPU_ADAM + " + out=grad")]
-        probe = measured[(label, bench_step.PROBE + " + out=grad")]
+        out = " + out=grad" if master == "fp32" else ""  # a bf16 master is the weight: no bf16 copy written
+        step = measured[(label, bench_step.CPU_ADAM + out)]
+        probe = measured[(label, bench_step.PROBE + out)]
         cells = [size_label(n), states, master, f"{bandwidth / 1e9:.1f}", f"{estimate * 1e3:.2f}"]
         body.append(
             [*cells, f"{probe * 1e3:.2f}", f"{step * 1e3:.2f}", f"{probe / estimate:.2f}", f"{step / estimate:.2f}"]

@@ -342,3 +342,30 @@ def test_stochastic_rounding_switches_exactly_at_each_elements_point(isa: str, r
         assert wrong.numel() == 0, f"{where} the switch point: {wrong.numel()} codes wrong, e.g. {wrong[:5]}"
         if not root:
             assert torch.equal(m >= 0x80, grad < 0)
+
+
+def test_a_blocks_fast_and_general_paths_give_the_same_codes_and_steps(isa: str) -> None:
+    # Blocks whose codes and new values all lie in the codes' normal range decode and encode by the fast paths; the
+    # same blocks with one element of another kind (an evenly spaced code, a grad of zero) by the general ones. Every
+    # other element of a block must come out the same either way: params, codes, and the blocks' scales.
+    n = 8 * 256
+    g = torch.Generator().manual_seed(11)
+    magnitudes = 1 + torch.rand(n, generator=g)  # within a factor 2 in a block: far from the evenly spaced codes
+    signs = torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0)
+    p, grad = torch.randn(n, generator=g), signs * magnitudes * 1e-3
+    avg_codes, root_codes, scales = quant8.quantize_moments(signs * magnitudes * 1e-4, (magnitudes * 1e-3) ** 2)
+    fast = [p, grad, avg_codes, root_codes, scales]
+    assert bool(((avg_codes & 0x7F) >= 8).all()) and bool((root_codes >= 16).all()), "the fast paths' blocks"
+    odd = list(range(3, n, 256))  # one element in every block
+    general = [t.clone() for t in fast]
+    general[1][odd] = 0.0  # its new moments decay toward zero: evenly spaced codes
+    general[2][odd] = 2  # an evenly spaced code of exp_avg
+    general[3][odd] = 5  # and of the root
+    others = torch.ones(n, dtype=torch.bool)
+    others[odd] = False
+    for stochastic in (False, True):
+        a, b = (q8_step(isa, t, stochastic_rounding=stochastic, seed=5) for t in (fast, general))
+        for name, x, y in zip(("param", "exp_avg codes", "root codes"), a[:3], b[:3]):
+            assert torch.equal(raw(x[others]), raw(y[others])), f"{name}: the paths disagree"
+        assert torch.equal(a[3], b[3]), "block scales"
+        assert bool(((b[1][odd] & 0x7F) < 8).all()), "the odd elements took the general path"

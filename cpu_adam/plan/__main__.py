@@ -184,10 +184,10 @@ def _notes(row: Row, exact: bool, inflight: int) -> str:
         )
     if row.step_seconds is not None:
         notes.append(
-            "CPU step: the Adam pass over host memory at the probe's pace, the time memory alone allows. Measured "
-            "steps of 2^24 params took 0.99-1.03x it with fp32 or bf16 moments, 1.2x (fp32 master) and 1.7x (bf16 "
-            "master) with 8-bit ones, whose arithmetic sets the pace (docs/plan.md). Not in it: the grads' and "
-            "weights' copies to and from the GPU."
+            "CPU step: the Adam pass over host memory at the probe's pace, the time memory alone allows; with 8-bit "
+            "moments, whose arithmetic sets the pace, times the factor their steps measured over it (2.0 with an fp32 "
+            "master, 3.8 with a bf16 one, on 2 cores: docs/plan.md). Not in it: the grads' and weights' copies to and "
+            "from the GPU."
         )
     return "\n".join(f"- {n}" for n in notes)
 

@@ -22,7 +22,14 @@ from ..offload.link import SLOT_DTYPE
 from ..offload.store import SCALES_DTYPE, scales_shape
 from ..quant8 import BLOCK
 
-__all__ = ["DEFAULT_PROBE_ELEMENTS", "DEFAULT_PROBE_SECONDS", "measure_bandwidth", "step_bytes_per_param"]
+__all__ = [
+    "COMPUTE_FACTOR",
+    "DEFAULT_PROBE_ELEMENTS",
+    "DEFAULT_PROBE_SECONDS",
+    "measure_bandwidth",
+    "pace_factor",
+    "step_bytes_per_param",
+]
 
 DEFAULT_PROBE_SECONDS = 0.5
 DEFAULT_PROBE_ELEMENTS = 1 << 24  # 235 MB of fp32 buffers: far past the caches
@@ -33,12 +40,25 @@ VARIANTS = ("plain", "prefetched")
 
 def step_bytes_per_param(precision: str, master: torch.dtype) -> float:
     """What the offload step moves per param: the master and both moments (8-bit: with their block scales)
-    read and written, the bf16 grad read from its slot, the new bf16 weight written over it."""
+    read and written, the bf16 grad read from its slot, and with an fp32 master the new bf16 weight written
+    over it (a bf16 master is the weight: it goes up as it is)."""
     scales = 0.0
     if state_dtype(precision) == torch.uint8:
         scales = 2 * math.prod(scales_shape(BLOCK)) * SCALES_DTYPE.itemsize / BLOCK  # read and written
     moments = 2 * 2 * state_dtype(precision).itemsize
-    return 2 * master.itemsize + moments + scales + 2 * SLOT_DTYPE.itemsize
+    weight = SLOT_DTYPE.itemsize if master == torch.float32 else 0
+    return 2 * master.itemsize + moments + scales + SLOT_DTYPE.itemsize + weight
+
+
+# Where the kernel's arithmetic, not memory, sets the pace: the step over the probe's pace as measured
+# (benchmarks/bench_plan.py, 2^24 params, 2 cores, AMD EPYC: 1.94-2.32 and 3.71-4.16). The estimate includes it until
+# the 8-bit kernel is memory-bound (benchmarks/README.md, "Where the 8-bit step's time goes").
+COMPUTE_FACTOR = {("8bit", torch.float32): 2.0, ("8bit", torch.bfloat16): 3.8}
+
+
+def pace_factor(precision: str, master: torch.dtype) -> float:
+    """How much longer than memory alone allows the step takes, as measured (1 where memory sets the pace)."""
+    return COMPUTE_FACTOR.get((precision, master), 1.0)
 
 
 def measure_bandwidth(seconds: float = DEFAULT_PROBE_SECONDS, elements: int = DEFAULT_PROBE_ELEMENTS) -> float:

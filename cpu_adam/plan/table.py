@@ -25,7 +25,7 @@ from ..offload.share import buckets_for, checked_fraction
 from ..offload.store import SCALES_DTYPE, scales_shape
 from ..offload.window import ACCUMULATOR_DTYPE
 from .models import ModelLike, ModelSpec, model_spec
-from .probe import DEFAULT_PROBE_SECONDS, measure_bandwidth, step_bytes_per_param
+from .probe import DEFAULT_PROBE_SECONDS, measure_bandwidth, pace_factor, step_bytes_per_param
 from .sizes import PlanError, detect_gpu_memory, detect_host_memory, parse_bytes, parse_count
 
 __all__ = ["MASTER_DTYPES", "Row", "plan"]
@@ -148,13 +148,20 @@ def plan(
                     host,
                     gpu,
                     moved,
-                    None if bandwidth is None else moved * (elements - on_device) / bandwidth,
+                    _host_step(moved, elements - on_device, bandwidth, precision, master),
                     on_device / elements,
                     device_state,
                     device_grads,
                 )
             )
     return rows
+
+
+def _host_step(
+    moved: float, elements: int, bandwidth: float | None, precision: str, master: torch.dtype
+) -> float | None:
+    """Seconds of the host's step: its bytes at the probe's pace, times what the arithmetic adds where it sets it."""
+    return None if bandwidth is None else moved * elements / bandwidth * pace_factor(precision, master)
 
 
 def _device_elements(spec: ModelSpec, bucket_size: int, fraction: float) -> int:
