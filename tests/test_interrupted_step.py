@@ -94,10 +94,28 @@ def test_a_user_handler_is_deferred_and_restored():
         signal.signal(signal.SIGINT, previous)
 
 
-def _offload_twins(overlap: str) -> tuple[list, list[OffloadOptimizer]]:
+def _offload_twins(overlap: str, device_fraction: float = 0.0) -> tuple[list, list[OffloadOptimizer]]:
     models = [make_model(0), make_model(0)]
-    opts = [OffloadOptimizer(m.parameters(), lr=1e-3, bucket_size=1024, overlap=overlap) for m in models]
+    opts = [
+        OffloadOptimizer(m.parameters(), lr=1e-3, bucket_size=1024, overlap=overlap, device_fraction=device_fraction)
+        for m in models
+    ]
     return models, opts
+
+
+def _signalling_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device's first bucket is followed by a SIGINT, before the next is stepped."""
+    from cpu_adam.device_kernel import Launches
+
+    real, sent = Launches.__call__, []
+
+    def launches_then_ctrl_c(self) -> None:
+        real(self)
+        if not sent:
+            sent.append(True)
+            signal.raise_signal(signal.SIGINT)
+
+    monkeypatch.setattr(Launches, "__call__", launches_then_ctrl_c)
 
 
 def _signalling_upload(monkeypatch: pytest.MonkeyPatch, opt: OffloadOptimizer) -> None:
@@ -114,9 +132,13 @@ def _signalling_upload(monkeypatch: pytest.MonkeyPatch, opt: OffloadOptimizer) -
     monkeypatch.setattr(link, "up", upload_then_ctrl_c)
 
 
-@pytest.mark.parametrize("overlap,where", [("none", "kernel"), ("none", "upload"), ("backward", "upload")])
+@pytest.mark.parametrize(
+    "overlap,where", [("none", "kernel"), ("none", "upload"), ("backward", "upload"), ("none", "device")]
+)
 def test_offload_interrupted_mid_step_completes_the_step_then_raises(monkeypatch, overlap, where):
-    (model, twin_model), (opt, twin) = _offload_twins(overlap)
+    if where == "device":
+        pytest.importorskip("triton", reason="the device kernel is written in Triton")
+    (model, twin_model), (opt, twin) = _offload_twins(overlap, device_fraction=0.5 if where == "device" else 0.0)
     data = batches(3)
     for batch in data:
         for m, o in ((twin_model, twin), (model, opt)):
@@ -124,6 +146,8 @@ def test_offload_interrupted_mid_step_completes_the_step_then_raises(monkeypatch
             if o is opt and batch is data[1]:
                 if where == "kernel":
                     _signalling(monkeypatch, cpu_adam.offload.stepper)
+                elif where == "device":
+                    _signalling_device(monkeypatch)
                 else:
                     _signalling_upload(monkeypatch, o)
                 with pytest.raises(KeyboardInterrupt):

@@ -45,7 +45,7 @@ def _step_by_hand(opt: OffloadOptimizer, chunks: list, scales: list[float]) -> N
     opt._rooms.model.sync_masters(opt._rooms.store)
     finished = opt._rooms.window.finish(None)
     for chunk, scale in zip(chunks, scales):
-        hyper = opt._hyper(opt.param_groups[chunk.group], scale)
+        hyper = opt._hyper(chunk.group, scale)
         opt._rooms.stepper.step(chunk, hyper, finished.grads, finished.got[chunk.group])
         for b in range(chunk.first, chunk.last):
             opt._rooms.link.up(chunk.group, b, finished.got[chunk.group])

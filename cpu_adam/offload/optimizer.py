@@ -142,7 +142,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             device_fraction,
             checked_budget(device_budget),
         )
-        hyper_of = lambda g, scale: self._hyper(self.param_groups[g], scale)  # noqa: E731
+        hyper_of = lambda g, scale: self._hyper(g, scale)  # noqa: E731
         self._rooms, self.seed = house.build(
             trainable, device, process_group, options, seed, hyper_of, lambda: self._max_grad_norm
         )
@@ -253,10 +253,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 self.skipped_steps,
             )
         else:
-            hypers = [
-                None if layout is None else self._hyper(o, finished.scale)
-                for o, layout in zip(self.param_groups, r.layouts)
-            ]
+            hypers = [None if layout is None else self._hyper(g, finished.scale) for g, layout in enumerate(r.layouts)]
             self.last_step_overlapped, launch_s = steps.take(r, hypers, finished, synced)
         r.planner.step_ended(time.perf_counter())
         self._new_window()
@@ -266,19 +263,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.step_timings["overlap_wait_s"] = r.overlap.wait_seconds - wait_s  # for the worker's passes
         self.step_timings["device_launch_s"] = launch_s  # queuing the device's part (running it, on the CPU device)
 
-    def _hyper(self, options: dict[str, Any], scale: float) -> dict[str, Any]:
-        beta1, beta2 = options["betas"]
-        return dict(
-            lr=float(options["lr"]),
-            beta1=float(beta1),
-            beta2=float(beta2),
-            eps=float(options["eps"]),
-            weight_decay=float(options["weight_decay"]),
-            adamw_mode=bool(options["adamw_mode"]),
-            grad_scale=scale,
-            stochastic_rounding=self.stochastic_rounding,
-            seed=self.seed,
-        )
+    def _hyper(self, g: int, scale: float) -> dict[str, Any]:
+        return steps.hyper(self.param_groups[g], scale, self.stochastic_rounding, self.seed)
 
     def _new_window(self) -> None:
         self._rooms.window.reset()

@@ -28,7 +28,6 @@ always the serial step's.
 
 from __future__ import annotations
 
-import math
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -102,8 +101,6 @@ class BackwardOverlap:
         self._dev = dev
         self._share = share  # its buckets are stepped on the device at step(), not here
         self._clip_at = clip_at  # max_grad_norm now
-        self._norms: list[tuple[Any, Tensor]] = []  # this window's landings' squared norms not yet summed
-        self._partial_sq = 0.0  # those summed: a lower bound of the window's
         self._world = world
         self._layouts = layouts
         self._window = window
@@ -163,7 +160,7 @@ class BackwardOverlap:
         hyper = self._hyper_of(g, 1.0 / self._world.size)
         steps = tuple(self._stepper.steps(g)[i] for i in members)
         slots = {key: self._link.buffers[g].tensor}
-        previewing = self._speculate and not self._clipping_certain(landing)
+        previewing = self._speculate and not self._window.clips(self._clip_at())  # no preview can hold then
         preview = self._stepper.calls(chunk, hyper, slots, got, outputs=self.spare[g].tensor) if previewing else []
         members_got = tuple(got[i] for i in members)
         self._previews[key] = _Preview(self._window.epoch, hyper, preview, previewing, members_got, steps)
@@ -189,16 +186,6 @@ class BackwardOverlap:
 
         self._landed.append(key)
         self._tickets[key] = self._worker.submit(job)
-
-    def _clipping_certain(self, landing: Landing) -> bool:
-        """Whether the grads landed so far already clip this window (the squares only add up): then no preview of
-        the numbers of no clipping can hold, and none is made. Only the norms whose copies are done are read."""
-        if landing.sq_host is not None:
-            self._norms.append((landing.event, landing.sq_host))
-        while self._norms and self._dev.done(self._norms[0][0]):
-            self._partial_sq += float(self._norms.pop(0)[1].double().sum())
-        limit = self._clip_at()
-        return limit is not None and math.sqrt(self._partial_sq) / self._world.size > limit
 
     # -- at step() and wherever the state is read -----------------------------------------------
 
@@ -345,8 +332,6 @@ class BackwardOverlap:
         self._order = list(self._landed)
 
     def reset(self) -> None:
-        self._norms.clear()
-        self._partial_sq = 0.0
         self._previews.clear()
         self._failed.clear()
         self._tickets.clear()

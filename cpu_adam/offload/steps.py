@@ -15,7 +15,7 @@ from typing import Any
 from .rooms import Rooms
 from .window import Finished
 
-__all__ = ["ready", "take"]
+__all__ = ["hyper", "ready", "take"]
 
 
 def ready(r: Rooms) -> bool:
@@ -53,3 +53,19 @@ def take(r: Rooms, hypers: list[dict[str, Any] | None], finished: Finished, sync
         if hyper is not None:
             r.model.note_versions(g)  # the optimizer's own writes
     return overlapped, launch_s
+
+
+def hyper(options: dict[str, Any], scale: float, stochastic_rounding: bool, seed: int) -> dict[str, Any]:
+    """A param group's kernel arguments, with the window's grad ``scale``."""
+    beta1, beta2 = options["betas"]
+    return dict(
+        lr=float(options["lr"]),
+        beta1=float(beta1),
+        beta2=float(beta2),
+        eps=float(options["eps"]),
+        weight_decay=float(options["weight_decay"]),
+        adamw_mode=bool(options["adamw_mode"]),
+        grad_scale=scale,
+        stochastic_rounding=stochastic_rounding,
+        seed=seed,
+    )

@@ -62,6 +62,7 @@ class Window:
         self.got = [[False] * (len(layout.shapes) if layout else 0) for layout in layouts]
         self._landings = {key: 0 for key in link.slots}
         self._norms: list[tuple[int, Landing]] = []  # first landings' norms, on the device
+        self._summed, self._partial_sq = 0, 0.0  # of them, those read on the host (whose copies are done), summed
         self.accumulators: list[Tensor | None] = [None] * len(layouts)
         self._device_accumulators: dict[tuple[int, int], Tensor] = {}  # of the buckets the device steps
         self._factors: dict[tuple[int, int], list[Tensor | float]] = {}
@@ -110,6 +111,15 @@ class Window:
         if self.accumulators[g] is None:
             self.accumulators[g] = torch.zeros(self._layouts[g].shard_numel, dtype=ACCUMULATOR_DTYPE)
         return self.accumulators[g][where[1]]
+
+    def clips(self, limit: float | None) -> bool:
+        """Whether the grads landed so far already pass ``limit``: their squares only add up, so that clipping is
+        then certain. Read without waiting, from the norms whose copies are done."""
+        while self._summed < len(self._norms) and self._dev.done(self._norms[self._summed][1].event):
+            sq = self._norms[self._summed][1].sq_host
+            self._partial_sq += 0.0 if sq is None else float(sq.double().sum())
+            self._summed += 1
+        return limit is not None and math.sqrt(self._partial_sq) / self._world.size > limit
 
     @property
     def begun(self) -> bool:
@@ -245,6 +255,7 @@ class Window:
         self._sq = None
         self._factors.clear()
         self._norms.clear()
+        self._summed, self._partial_sq = 0, 0.0
         self.got = [[False] * len(got) for got in self.got]
         self._landings = dict.fromkeys(self._landings, 0)
         self._dev.release(list(self._device_accumulators.values()))
