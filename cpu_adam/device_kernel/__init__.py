@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import inspect
 import math
 import platform
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, ParamSpec
 
 import torch
 from torch import Tensor
@@ -52,36 +53,6 @@ def available() -> bool:
 def tininess_before_rounding() -> bool:
     """Whether the host kernel flushes a result that is tiny before rounding (AArch64) or after (x86-64)."""
     return platform.machine().lower() in ("aarch64", "arm64")
-
-
-def adam_step(
-    params: Sequence[Tensor],
-    grads: Sequence[Tensor],
-    exp_avgs: Sequence[Tensor],
-    exp_avg_sqs: Sequence[Tensor],
-    *,
-    step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float = 0.0,
-    adamw_mode: bool = True,
-    bias_correction: bool = True,
-    grad_scale: float = 1.0,
-    bf16_outs: Sequence[Tensor] | None = None,
-    stochastic_rounding: bool = False,
-    seed: int = 0,
-    counter_offsets: Sequence[int] | None = None,
-    state_scales: Sequence[Tensor] | None = None,
-    before_rounding: bool | None = None,
-) -> None:
-    """``cpu_adam.ops.adam_step`` on device tensors, bit for bit; every tensor contiguous (8-bit scales: each row).
-
-    ``before_rounding``: flush results that are tiny before rounding (an AArch64 host's rule) or
-    after (x86-64's); by default this host's.
-    """
-    prepare_step(**{name: value for name, value in locals().items()})()
 
 
 class Launches:
@@ -127,7 +98,12 @@ def prepare_step(
     state_scales: Sequence[Tensor] | None = None,
     before_rounding: bool | None = None,
 ) -> Launches:
-    """``adam_step`` up to its first write: every check made and every kernel compiled; call the result to step."""
+    """``cpu_adam.ops.adam_step`` on device tensors up to its first write: every check made and every kernel compiled;
+    calling the result steps, bit for bit as the host kernel. Every tensor contiguous (8-bit scales: each row).
+
+    ``before_rounding``: flush results that are tiny before rounding (an AArch64 host's rule) or
+    after (x86-64's); by default this host's.
+    """
     reason = missing_reason()
     if reason is not None:
         raise RuntimeError(f"cpu_adam: {reason}")
@@ -188,6 +164,22 @@ def prepare_step(
             options = dict(**kinds, **flags, **tile, enable_fp_fusion=False)
             launches.add(kernel, grid, (*tensors, *sizes, *counters, *floats), options)
     return launches
+
+
+_P = ParamSpec("_P")
+
+
+def _run_at_once(prepare: Callable[_P, Launches]) -> Callable[_P, None]:
+    def run(*args: _P.args, **kwargs: _P.kwargs) -> None:
+        prepare(*args, **kwargs)()
+
+    run.__name__ = run.__qualname__ = "adam_step"
+    run.__doc__ = "``prepare_step`` with its launches run at once: ``cpu_adam.ops.adam_step`` on device tensors."
+    run.__signature__ = inspect.signature(prepare).replace(return_annotation="None")  # type: ignore[attr-defined]
+    return run
+
+
+adam_step = _run_at_once(prepare_step)
 
 
 # A step launches a kernel per bucket, all with the same scalars and a few keys: each is computed once.
