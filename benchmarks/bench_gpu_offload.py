@@ -204,13 +204,18 @@ class TorchAO(Contender):
         self.opt.zero_grad()
 
 
+def _world_of_one() -> None:
+    """torch.distributed's environment for one process on a free local port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
 class DeepSpeed(Contender):
     def __init__(self, model: torch.nn.Module, batch: int) -> None:
         super().__init__(model)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        _world_of_one()
         import deepspeed
 
         config = {
@@ -285,10 +290,7 @@ class FSDP2(Contender):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        _world_of_one()
         dist.init_process_group("nccl" if on_cuda() else "gloo")
         mesh = init_device_mesh("cuda" if on_cuda() else "cpu", (1,))
         policy = CPUOffloadPolicy(pin_memory=on_cuda())

@@ -11,6 +11,7 @@ differences.
 from __future__ import annotations
 
 import argparse
+import inspect
 import statistics
 import sys
 import time
@@ -21,13 +22,15 @@ import torch
 sys.path.append(str(Path(__file__).resolve().parent.parent))
 from cpu_adam import CPUAdam
 
+_STEP_ITSELF = inspect.unwrap(CPUAdam.step)  # under torch.no_grad and the guard
+
 
 class Unguarded(CPUAdam):
     """CPUAdam's step without the guard: the same work, no lock."""
 
     @torch.no_grad()
     def step(self, closure=None):
-        return self._step(closure)
+        return _STEP_ITSELF(self, closure)
 
 
 def timed_step(opt: CPUAdam) -> float:

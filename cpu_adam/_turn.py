@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-__all__ = ["Turn"]
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
+
+import torch
+
+__all__ = ["Turn", "one_at_a_time"]
+
+Method = TypeVar("Method", bound=Callable[..., Any])
 
 
 class Turn:
@@ -29,3 +37,26 @@ class Turn:
     @property
     def taken(self) -> bool:
         return not self._token
+
+
+def one_at_a_time(refusal: Callable[[str], Exception]) -> Callable[[Method], Method]:
+    """A method that runs only while no other caller is in one of its object's ``one_at_a_time`` methods (they
+    share the object's ``_turn``); else it raises ``refusal(its name)`` before it runs. Inside a compiled region it
+    runs as it is: a compiled step is one opaque op, guarded where it is called."""
+
+    def decorate(method: Method) -> Method:
+        @functools.wraps(method)
+        def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if torch.compiler.is_compiling():
+                return method(self, *args, **kwargs)
+            turn = self._turn
+            if not turn.take():
+                raise refusal(method.__name__)
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                turn.give_back()
+
+        return cast(Method, guarded)
+
+    return decorate

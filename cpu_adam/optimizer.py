@@ -14,7 +14,7 @@ from torch import Tensor
 from . import ops, quant8
 from ._compiled_step import GroupStep, adam_step_groups
 from ._precision import MOMENTS, SCALES, check_saved_moments, converted_moments, resolved_precision, state_dtype
-from ._turn import Turn
+from ._turn import Turn, one_at_a_time
 from ._validation import check_hyper_parameters, check_param_group, check_step_count, checked_seed
 
 _OWN_KEYS = (
@@ -34,6 +34,16 @@ def _local(t: Tensor) -> Tensor:
     # imported it, no DTensor can exist.
     dtensor = sys.modules.get("torch.distributed.tensor")
     return t.to_local() if dtensor is not None and isinstance(t, dtensor.DTensor) else t
+
+
+def _busy(verb: str) -> RuntimeError:
+    """A step, a load or an add_param_group while another thread is in one of them: refused before anything changes
+    (the other goes on as if alone)."""
+    return RuntimeError(
+        f"CPUAdam.{verb}: another thread is stepping this optimizer (or loading or adding to it) right now; two at "
+        "once would update the same state. Call step(), load_state_dict() and add_param_group() from one thread, "
+        "or guard them with a lock of your own"
+    )
 
 
 class CPUAdam(torch.optim.Optimizer):
@@ -124,14 +134,14 @@ class CPUAdam(torch.optim.Optimizer):
             "stochastic_rounding": stochastic_rounding,
             "seed": checked_seed("CPUAdam", seed),
         }
-        self._stepping = Turn()  # before torch's __init__, which calls add_param_group
+        self._turn = Turn()  # before torch's __init__, which calls add_param_group
         super().__init__(params, defaults)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         # Unpickled or copied (torch's __getstate__ keeps defaults, state and groups alone): a lock of its own. Within
         # load_state_dict, torch's load calls this too: the lock held stays the one.
-        self.__dict__.setdefault("_stepping", Turn())
+        self.__dict__.setdefault("_turn", Turn())
         # Groups loaded from torch.optim.Adam/AdamW lack our keys (and only those are added:
         # keys torch's own __setstate__ puts in the defaults would change the state dict).
         for group in self.param_groups:
@@ -139,15 +149,8 @@ class CPUAdam(torch.optim.Optimizer):
                 if key in self.defaults:
                     group.setdefault(key, self.defaults[key])
 
+    @one_at_a_time(_busy)
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if not self._stepping.take():
-            raise _busy("add_param_group")
-        try:
-            self._add_param_group(param_group)
-        finally:
-            self._stepping.give_back()
-
-    def _add_param_group(self, param_group: dict[str, Any]) -> None:
         if isinstance(param_group, dict):  # torch's add_param_group refuses anything else
             owner = f"CPUAdam param group {len(self.param_groups)}"
             if "state_precision" in param_group or "fp32_optimizer_states" in param_group:
@@ -172,17 +175,8 @@ class CPUAdam(torch.optim.Optimizer):
             )
 
     @torch.no_grad()
+    @one_at_a_time(_busy)  # not when compiled: a compiled step is one opaque op (_compiled_step.py)
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        if torch.compiler.is_compiling():  # a compiled step is one opaque op (_compiled_step.py)
-            return self._step(closure)
-        if not self._stepping.take():
-            raise _busy("step")
-        try:
-            return self._step(closure)
-        finally:
-            self._stepping.give_back()
-
-    def _step(self, closure: Callable[[], float] | None) -> float | None:
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -263,6 +257,7 @@ class CPUAdam(torch.optim.Optimizer):
             if SCALES in state:
                 state_scales.append(state[SCALES])
 
+    @one_at_a_time(_busy)
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads this optimizer's or torch Adam/AdamW's state dict.
 
@@ -276,14 +271,6 @@ class CPUAdam(torch.optim.Optimizer):
         would cast them to the param dtype first, losing float32 moments of bfloat16 params.)
         Load hooks see the whole state dict, as with torch's optimizers.
         """
-        if not self._stepping.take():
-            raise _busy("load_state_dict")
-        try:
-            self._load_state_dict(state_dict)
-        finally:
-            self._stepping.give_back()
-
-    def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state_dict = state_dict.copy()
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             returned = pre_hook(self, state_dict)
@@ -352,16 +339,6 @@ def _check_loadable(state_dict: dict[str, Any], defaults: dict[str, Any]) -> Non
     for key, saved in state_dict["state"].items():
         if isinstance(saved, dict) and "step" in saved:
             check_step_count(f"CPUAdam.load_state_dict: the state of param {key}", saved["step"])
-
-
-def _busy(verb: str) -> RuntimeError:
-    """A step, a load or an add_param_group while another thread is in one of them: refused before anything changes
-    (the other goes on as if alone)."""
-    return RuntimeError(
-        f"CPUAdam.{verb}: another thread is stepping this optimizer (or loading or adding to it) right now; two at "
-        "once would update the same state. Call step(), load_state_dict() and add_param_group() from one thread, "
-        "or guard them with a lock of your own"
-    )
 
 
 @contextmanager

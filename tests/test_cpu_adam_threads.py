@@ -159,7 +159,7 @@ def test_a_copied_or_unpickled_optimizer_has_a_guard_of_its_own():
     give_grads(params, 0)
     opt.step()
     for other in (copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))):
-        assert other._stepping is not opt._stepping and not other._stepping.taken
+        assert other._turn is not opt._turn and not other._turn.taken
         for p in other.param_groups[0]["params"]:
             p.grad = torch.ones_like(p)
         other.step()

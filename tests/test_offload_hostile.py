@@ -12,6 +12,7 @@ import torch
 from offload_helpers import batches, lm_loss, make_model
 
 from cpu_adam import OffloadOptimizer
+from cpu_adam.offload import refusals
 
 HYPER = dict(lr=1e-3, bucket_size=1024)
 
@@ -67,14 +68,15 @@ def test_two_threads_stepping_at_once_get_a_clear_error(monkeypatch: pytest.Monk
     model, opt = _trained()
     lm_loss(model, batches(2)[1]).backward()
     inside, release = threading.Event(), threading.Event()
-    real = OffloadOptimizer._step
+    real = refusals.check_open
 
-    def slow_step(self, closure):
-        inside.set()
-        release.wait(10)
-        return real(self, closure)
+    def slow_check(closed: bool, verb: str) -> None:  # the step's first call, inside the guard
+        if verb == "step":
+            inside.set()
+            release.wait(10)
+        real(closed, verb)
 
-    monkeypatch.setattr(OffloadOptimizer, "_step", slow_step)
+    monkeypatch.setattr(refusals, "check_open", slow_check)
     first = threading.Thread(target=opt.step)
     first.start()
     assert inside.wait(10)

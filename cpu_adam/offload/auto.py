@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from .device import DeviceOps
 from .device_store import DeviceStore
 from .layout import FlatLayout
-from .share import Key, Share, buckets_for
+from .share import Key, Share, buckets_for, share_of
 from .world import World
 
 __all__ = ["Observed", "Plan", "Planner", "plan_share"]
@@ -76,9 +76,7 @@ def plan_share(
         else:
             break
         keys.add(key)
-    total = sum(layout.shard_numel for layout in layouts if layout is not None)
-    mine = sum(layouts[g].pieces[b].numel for g, b in keys)
-    return Plan(frozenset(keys), resident, mine / total if total else 0.0)
+    return Plan(frozenset(keys), resident, share_of(layouts, frozenset(keys)))
 
 
 class Planner:
@@ -95,7 +93,6 @@ class Planner:
         layouts: list[FlatLayout | None],
         store: DeviceStore,
         share: Share,
-        auto: bool,
         budget: int | None,
     ) -> None:
         self._dev = dev
@@ -103,7 +100,7 @@ class Planner:
         self._layouts = layouts
         self._store = store
         self._share = share
-        self.auto = auto
+        self.auto = False  # rooms.request_share sets it
         self._budget = budget  # the user's, else measured
         self._busy = 0
         self._available = 0

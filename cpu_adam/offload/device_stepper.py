@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 from torch import Tensor
 
 from .. import device_kernel
+from ..quant8 import BLOCK
 from .device_store import DeviceStore
 from .layout import FlatLayout
 from .link import Link
@@ -92,4 +93,4 @@ class DeviceStepper:
 
 def _blocks(elements: slice) -> slice:
     """The 8-bit scale blocks of ``elements`` (which start on a block boundary)."""
-    return slice(elements.start // 256, -(-elements.stop // 256))
+    return slice(elements.start // BLOCK, -(-elements.stop // BLOCK))

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from .._precision import resolved_precision, state_dtype
 from .._signals import interrupts_deferred
-from .._turn import Turn
+from .._turn import Turn, one_at_a_time
 from .._validation import check_hyper_parameters, check_param_group, checked_seed
 from . import refusals, steps
 from . import rooms as house
@@ -127,7 +127,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.bucket_size = bucket_size
         self._closed = False
         self._warned_no_grads = False
-        self._one_step = Turn()
+        self._turn = Turn()
 
         trainable = [[p for p in g["params"] if p.requires_grad] for g in self.param_groups]
         # Frozen when the flat layout was made: unfrozen later, they would never be trained.
@@ -200,16 +200,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
     # their state dict calls eagerly too.
     @torch.compiler.disable
     @torch.no_grad()
+    @one_at_a_time(lambda _: refusals.step_busy())
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One Adam step on the grads of the backward passes since the last step or zero_grad."""
-        if not self._one_step.take():
-            raise refusals.step_busy()
-        try:
-            return self._step(closure)
-        finally:
-            self._one_step.give_back()
-
-    def _step(self, closure: Callable[[], Any] | None) -> Any:
         refusals.check_open(self._closed, "step")
         refusals.check_not_capturing(self._rooms.dev)
         self._rooms.model.check_written()
@@ -311,6 +304,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._rooms.overlap.close()
         self._rooms.link.close()
         self._rooms.device_store.close()
+        self._rooms.store.close()
         release(self._rooms.model.params, self)
 
     # -- memory and checkpoints ---------------------------------------------------------------

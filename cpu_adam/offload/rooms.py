@@ -105,10 +105,7 @@ def build(
         ),
         "build the optimizer on the same model, param groups and options on every rank",
     )
-    if options.device_fraction != "auto" and options.device_fraction > 0 and not device_kernel.available():
-        raise RuntimeError(
-            f"cpu_adam.OffloadOptimizer(device_fraction={options.device_fraction}): {device_kernel.missing_reason()}"
-        )
+    _check_kernel_for(options.device_fraction)  # before anything is handed over
     # Not drawn from torch's generator: building the optimizer must not shift the user's random
     # stream, and replicas seeded per rank must still round alike.
     seed = world.rank0_int(0 if seed is None else seed, "rank 0's seed")
@@ -129,18 +126,13 @@ def build(
     if device is not None:
         hand_over(model, layouts, store, world)
         check_params(trainable)
-    share = Share(layouts)
-    auto = options.device_fraction == "auto"
-    share.request(frozenset() if auto else buckets_for(layouts, options.device_fraction))
-    share.begin()
+    share = Share(layouts)  # empty until request_share below
     link = Link(dev, world, layouts, trainable, options.max_inflight_buckets, share)
     window = Window(dev, world, link, layouts, share)
     stepper = Stepper(store, link, layouts, trainable, share)
     device_store = DeviceStore(dev, layouts, store, link, link.gather_weights, options.master_dtype)
     device_stepper = DeviceStepper(device_store, link, stepper, layouts)
-    planner = Planner(
-        dev, world, layouts, device_store, share, auto and device_kernel.available(), options.device_budget
-    )
+    planner = Planner(dev, world, layouts, device_store, share, options.device_budget)
     overlap = (
         NoOverlap()
         if options.overlap == "none"
@@ -151,6 +143,7 @@ def build(
         options, dev, world, layouts, store, model, link, window, stepper, share, device_store, device_stepper,
         planner, overlap, hooks,
     )  # fmt: skip
+    request_share(rooms, options.device_fraction)
     return rooms, seed
 
 
@@ -187,9 +180,8 @@ def memory_stats(rooms: Rooms) -> dict[str, Any]:
 def request_share(rooms: Rooms, fraction: float | str) -> float | str:
     """The device's share from the next window with no grads yet (this one if it has none): a fraction, or "auto"
     (the planner's, after each step). Returns ``fraction``."""
+    _check_kernel_for(fraction)
     auto = fraction == "auto"
-    if not auto and fraction > 0 and not device_kernel.available():
-        raise RuntimeError(f"cpu_adam.OffloadOptimizer: device_fraction={fraction}: {device_kernel.missing_reason()}")
     rooms.planner.auto = auto and device_kernel.available()
     if not auto:
         rooms.share.request(buckets_for(rooms.layouts, fraction))
@@ -198,13 +190,21 @@ def request_share(rooms: Rooms, fraction: float | str) -> float | str:
     return fraction
 
 
-def synced_state(rooms: Rooms) -> None:
-    """The host store made whole: every commit run, the masters taken from weights written by others (on the device
-    too), the device's state copied down."""
+def _check_kernel_for(fraction: float | str) -> None:
+    """A share of the step on the device needs the device kernel ("auto" plans none without it)."""
+    if fraction != "auto" and fraction > 0 and not device_kernel.available():
+        raise RuntimeError(f"cpu_adam.OffloadOptimizer: device_fraction={fraction}: {device_kernel.missing_reason()}")
+
+
+def synced_state(rooms: Rooms) -> bool:
+    """The host store made whole: every commit run, the device's state copied down, the masters taken from weights
+    written by others (on the device too); returns whether any master was taken."""
     rooms.overlap.settle()
     rooms.device_store.write_back()
-    if not rooms.model.in_sync() and rooms.model.sync_masters(rooms.store):
+    synced = not rooms.model.in_sync() and rooms.model.sync_masters(rooms.store)
+    if synced:
         rooms.device_store.reload()
+    return synced
 
 
 def master_weights(rooms: Rooms) -> list[Tensor]:

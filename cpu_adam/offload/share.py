@@ -16,7 +16,7 @@ import math
 
 from .layout import FlatLayout
 
-__all__ = ["Key", "Share", "buckets_for"]
+__all__ = ["Key", "Share", "buckets_for", "share_of"]
 
 Key = tuple[int, int]  # (group, bucket)
 
@@ -34,6 +34,13 @@ def buckets_for(layouts: list[FlatLayout | None], fraction: float) -> frozenset[
             keys.add((g, b))
             taken += bucket.numel
     return frozenset(keys)
+
+
+def share_of(layouts: list[FlatLayout | None], keys: frozenset[Key]) -> float:
+    """The share of this rank's elements that the buckets ``keys`` hold."""
+    total = sum(layout.shard_numel for layout in layouts if layout is not None)
+    mine = sum(layouts[g].pieces[b].numel for g, b in keys)
+    return mine / total if total else 0.0
 
 
 class Share:
@@ -59,9 +66,7 @@ class Share:
     @property
     def fraction(self) -> float:
         """The share of this rank's elements the device steps."""
-        total = sum(layout.shard_numel for layout in self._layouts if layout is not None)
-        mine = sum(self._layouts[g].pieces[b].numel for g, b in self.keys)
-        return mine / total if total else 0.0
+        return share_of(self._layouts, self.keys)
 
 
 def checked_fraction(value: object) -> float | str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from .rooms import Rooms
+from .rooms import Rooms, synced_state
 from .window import Finished
 
 __all__ = ["hyper", "ready", "take"]
@@ -22,13 +22,8 @@ def ready(r: Rooms) -> bool:
     """The masters those of the weights, and the device's share of the state in place (the grads have landed);
     returns whether masters were taken from weights written since the last step (previews read other numbers)."""
     r.link.wait_uploads()  # the last step's, from the masters, long done: the masters may be written again
-    if not r.model.in_sync():  # the masters are about to be taken from the weights: the commits first
-        r.overlap.settle()
-        r.device_store.write_back()
     r.model.check_storage()
-    synced = r.model.sync_masters(r.store)
-    if synced:
-        r.device_store.reload()
+    synced = not r.model.in_sync() and synced_state(r)  # in sync, the state is whole where the step needs it
     r.device_store.place(r.share.keys, r.planner.budget())
     return synced
 

@@ -41,6 +41,7 @@ class ChunkViews(NamedTuple):
 
 class Store(Protocol):
     steps: list[list[int]]  # per group, per param: Adam steps taken (as torch counts them)
+    master_dtype: torch.dtype
 
     def views(self, g: int, host: slice) -> ChunkViews: ...
 
@@ -55,6 +56,8 @@ class Store(Protocol):
     def load(self, g: int, tensors: dict[str, Tensor], steps: list[int]) -> None: ...
 
     def nbytes(self) -> tuple[int, int]: ...
+
+    def close(self) -> None: ...
 
 
 class HostStore:
@@ -82,6 +85,7 @@ class HostStore:
                 buffer.pin()
 
     def close(self) -> None:
+        """Page-locked memory given back (the state stays readable); every copy that uses it must be done."""
         for state in self._groups:
             for buffer in [] if state is None else state.buffers:
                 buffer.close()

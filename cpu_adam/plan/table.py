@@ -24,6 +24,7 @@ from ..offload.schedule import OPEN_BUCKETS
 from ..offload.share import buckets_for, checked_fraction
 from ..offload.store import SCALES_DTYPE, scales_shape
 from ..offload.window import ACCUMULATOR_DTYPE
+from ..quant8 import BLOCK
 from .models import ModelLike, ModelSpec, model_spec
 from .probe import DEFAULT_PROBE_SECONDS, measure_bandwidth, pace_factor, step_bytes_per_param
 from .sizes import PlanError, detect_gpu_memory, detect_host_memory, parse_bytes, parse_count
@@ -180,7 +181,7 @@ def _device_state_bytes(elements: int, master: torch.dtype, precision: str) -> i
     """The state of the device's share: the master where it is fp32 (a bf16 master is the weights), the moments."""
     states = 2 * elements * state_dtype(precision).itemsize
     if state_dtype(precision) == torch.uint8:
-        states += math.prod(scales_shape(-(-elements // 256) * 256)) * SCALES_DTYPE.itemsize
+        states += math.prod(scales_shape(-(-elements // BLOCK) * BLOCK)) * SCALES_DTYPE.itemsize
     return (elements * master.itemsize if master == torch.float32 else 0) + states
 
 
