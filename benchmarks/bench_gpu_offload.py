@@ -20,14 +20,19 @@ trivial math). Per contender:
 Contenders (``--contenders``, comma list): torch_adamw (fused AdamW on fp32 masters kept on the
 GPU: the ceiling), torchao (``torchao.optim.CPUOffloadOptimizer``, fused CPU AdamW on bf16
 host params, grads offloaded; it cannot clip), deepspeed (ZeRO-2, ``offload_optimizer: cpu``,
-bf16, one process: DeepSpeedCPUAdam on fp32 masters), fsdp2_adamw / fsdp2_cpu_adam (FSDP2 with
-``CPUOffloadPolicy`` on a world of one: torch's AdamW or ``CPUAdam`` stepping the CPU shards),
-and ``OffloadOptimizer`` named by its settings, ``cpu_adam:MASTER/STATES[/share=F][/bwd]``:
-MASTER fp32, bf16 (rounded to nearest) or sr (bf16 with stochastic rounding), STATES fp32, bf16
-or 8bit, ``share=`` the ``device_fraction`` (a number or auto), ``bwd`` for
-``overlap="backward"``: ``cpu_adam:sr/bf16/share=auto``. cpu_adam_fp32, cpu_adam_bf16 and
-cpu_adam_sr name cpu_adam:fp32/fp32, cpu_adam:fp32/bf16 and cpu_adam:sr/bf16. A contender that
-is not installed or runs out of memory gets a row that says so.
+bf16, one process: DeepSpeedCPUAdam on fp32 masters), and ``OffloadOptimizer`` named by its
+settings, ``cpu_adam:MASTER/STATES[/share=F][/bwd][/bucket=K]``: MASTER fp32, bf16 (rounded to
+nearest) or sr (bf16 with stochastic rounding), STATES fp32, bf16 or 8bit, ``share=`` the
+``device_fraction`` (a number or auto), ``bwd`` for ``overlap="backward"``, ``bucket=K`` a
+``bucket_size`` of 2^K elements: ``cpu_adam:sr/bf16/share=auto/bucket=25``. cpu_adam_fp32,
+cpu_adam_bf16 and cpu_adam_sr name cpu_adam:fp32/fp32, cpu_adam:fp32/bf16 and cpu_adam:sr/bf16.
+
+FSDP2 with ``CPUOffloadPolicy`` on a world of one, the optimizer stepping the CPU shards:
+``fsdp2:adamw`` (fp32 shards, torch's ``AdamW(fused=True)``: torchtitan's default) and
+``fsdp2:SHARDS/STATES`` for ``CPUAdam``: SHARDS fp32 (bf16 compute, fp32 grads reduced) or sr (the
+model in bf16, its shards the masters, stochastic rounding), STATES fp32, bf16 or 8bit;
+``fsdp2:adamw-foreach`` is ``AdamW()``'s default. A contender that is not installed or runs out
+of memory gets a row that says so.
 
 ``--max-grad-norm`` clips every contender that can (default 1.0, as GPT recipes; ``none``: no
 clipping; real training clips almost every step, which decides what the offload step can hide).
@@ -75,12 +80,15 @@ ALIASES = {
     "cpu_adam_fp32": "cpu_adam:fp32/fp32",
     "cpu_adam_bf16": "cpu_adam:fp32/bf16",
     "cpu_adam_sr": "cpu_adam:sr/bf16",
+    "fsdp2_adamw": "fsdp2:adamw",
+    "fsdp2_cpu_adam": "fsdp2:sr/bf16",
 }
+FSDP2_ADAMW = {"fsdp2:adamw": True, "fsdp2:adamw-foreach": False}  # fused or not
 MASTERS = {"fp32": torch.float32, "bf16": torch.bfloat16, "sr": torch.bfloat16}
 
 
 def cpu_adam_settings(name: str) -> dict[str, Any] | None:
-    """The OffloadOptimizer options a contender's name gives (``cpu_adam:MASTER/STATES[/share=F][/bwd]``)."""
+    """The OffloadOptimizer options a contender's name gives (``cpu_adam:MASTER/STATES[/share=F][/bwd][/bucket=K]``)."""
     name = ALIASES.get(name, name)
     if not name.startswith("cpu_adam:"):
         return None
@@ -94,9 +102,26 @@ def cpu_adam_settings(name: str) -> dict[str, Any] | None:
         elif token.startswith("share="):
             share = token.removeprefix("share=")
             options["device_fraction"] = share if share == "auto" else float(share)
+        elif token.startswith("bucket=") and token.removeprefix("bucket=").isdigit():
+            options["bucket_size"] = 1 << int(token.removeprefix("bucket="))
         else:
-            raise SystemExit(f"{name}: {token!r} is neither share=F nor bwd")
+            raise SystemExit(f"{name}: {token!r} is none of share=F, bwd, bucket=K")
     return options
+
+
+def fsdp2_settings(name: str) -> dict[str, Any] | None:
+    """The FSDP2 contender a name gives: ``fsdp2:adamw[-foreach]`` or ``fsdp2:SHARDS/STATES`` (CPUAdam)."""
+    name = ALIASES.get(name, name)
+    if not name.startswith("fsdp2:"):
+        return None
+    if name in FSDP2_ADAMW:
+        return dict(optimizer="adamw", fused=FSDP2_ADAMW[name], shards=torch.float32)
+    shards, _, states = name.removeprefix("fsdp2:").partition("/")
+    if shards not in ("fp32", "sr") or states not in ("fp32", "bf16", "8bit"):
+        raise SystemExit(f"{name}: fsdp2:adamw, fsdp2:adamw-foreach, or fsdp2:SHARDS/STATES with SHARDS fp32 or sr")
+    return dict(
+        optimizer="cpu_adam", shards=MASTERS[shards], state_precision=states, stochastic_rounding=shards == "sr"
+    )
 
 
 def host_step_bytes(options: dict[str, Any]) -> float:
@@ -282,30 +307,38 @@ class CpuAdamOffload(Contender):
 
 
 class FSDP2(Contender):
-    """FSDP2 on a world of one with CPUOffloadPolicy: the optimizer steps the shards on the host."""
+    """FSDP2 on a world of one with CPUOffloadPolicy: the optimizer steps the shards on the host. fp32 shards compute
+    in bf16 and reduce their grads in fp32 (``MixedPrecisionPolicy``), as torchtitan does; bf16 shards are the model's
+    own dtype."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: str) -> None:
+    def __init__(self, model: torch.nn.Module, settings: dict[str, Any]) -> None:
         super().__init__(model)
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
         _world_of_one()
         dist.init_process_group("nccl" if on_cuda() else "gloo")
         mesh = init_device_mesh("cuda" if on_cuda() else "cpu", (1,))
-        policy = CPUOffloadPolicy(pin_memory=on_cuda())
+        shards = settings["shards"]
+        model.to(shards)
+        mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        policy = dict(offload_policy=CPUOffloadPolicy(pin_memory=on_cuda()))
+        if shards == torch.float32:
+            policy["mp_policy"] = mixed
         for block in model.blocks:
-            fully_shard(block, mesh=mesh, offload_policy=policy)
-        fully_shard(model, mesh=mesh, offload_policy=policy)
+            fully_shard(block, mesh=mesh, **policy)
+        fully_shard(model, mesh=mesh, **policy)
         groups = param_groups(model, WEIGHT_DECAY)
-        if optimizer == "cpu_adam":
+        if settings["optimizer"] == "cpu_adam":
             from cpu_adam import CPUAdam
 
-            self.opt = CPUAdam(groups, lr=LR, betas=BETAS, fp32_optimizer_states=False)
-            self.extra["note"] = "bf16 shards and moments, CPUAdam"
+            options = {k: settings[k] for k in ("state_precision", "stochastic_rounding")}
+            self.opt = CPUAdam(groups, lr=LR, betas=BETAS, **options)
         else:
-            self.opt = torch.optim.AdamW(groups, lr=LR, betas=BETAS, foreach=True)
-            self.extra["note"] = "bf16 shards and moments, torch AdamW"
+            self.opt = torch.optim.AdamW(groups, lr=LR, betas=BETAS, fused=settings["fused"])
+        self.extra["shards"] = str(shards).removeprefix("torch.")
+        self.extra["note"] = f"{type(self.opt).__name__} {settings}"
 
     def step(self) -> None:
         if MAX_NORM is not None:
@@ -323,12 +356,13 @@ def build_contender(name: str, model: torch.nn.Module, batch: int) -> Contender:
         return TorchAO(model)
     if name == "deepspeed":
         return DeepSpeed(model, batch)
-    if name in ("fsdp2_adamw", "fsdp2_cpu_adam"):
-        return FSDP2(model, name.removeprefix("fsdp2_"))
+    fsdp2 = fsdp2_settings(name)
+    if fsdp2 is not None:
+        return FSDP2(model, fsdp2)
     options = cpu_adam_settings(name)
     if options is not None:
         return CpuAdamOffload(model, options)
-    raise SystemExit(f"unknown contender {name!r}; choose from {', '.join(CONTENDERS)}, fsdp2_adamw, fsdp2_cpu_adam")
+    raise SystemExit(f"unknown contender {name!r}; choose from {', '.join(CONTENDERS)}, fsdp2:adamw, fsdp2:sr/bf16")
 
 
 # -- measuring one contender (in its own process) ---------------------------------------------------
@@ -702,8 +736,9 @@ def main() -> None:
     if not on_cuda() and not args.allow_cpu:
         raise SystemExit("bench_gpu_offload.py needs a CUDA GPU (bench_offload.py runs on the CPU)")
     contenders = [ALIASES.get(name, name) for name in args.contenders.split(",")]
-    for name in contenders:
-        cpu_adam_settings(name)  # a misspelt contender is refused before the probes run
+    for name in contenders:  # a misspelt contender is refused before the probes run
+        cpu_adam_settings(name)
+        fsdp2_settings(name)
 
     # Work in contenders; a probe takes seconds where a contender takes a minute or more.
     def work(name: str) -> float:

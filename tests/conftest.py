@@ -61,8 +61,13 @@ def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def raw(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of a tensor: equal means bitwise equal (NaNs and signed zeros included)."""
-    return t.detach().reshape(-1).view(torch.uint8).clone()
+    """The bytes of a tensor with every NaN written as one NaN: equal means equal by the kernels' contract, every
+    non-NaN bit (signed zeros included) and NaN exactly where NaN is. A NaN's payload is the hardware's own (0xFFC00000
+    for 0/0 on x86-64, 0x7FC00000 on AArch64, 0x7FFFFFFF on NVIDIA GPUs) and means nothing."""
+    t = t.detach().reshape(-1)
+    if t.is_floating_point():
+        t = torch.where(t.isnan(), torch.full_like(t, float("nan")), t)
+    return t.view(torch.uint8).clone()
 
 
 def printed_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, str]]:

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import raw
 from offload_helpers import CopyingCPU, batches, lm_loss, make_model
 from rank_spawn import run_ranks
 from torch import nn
@@ -106,7 +107,7 @@ def _digest_of(items: list[tuple[str, Any]]) -> str:
     for name, value in items:
         h.update(name.encode())
         if isinstance(value, torch.Tensor):
-            h.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            h.update(raw(value.cpu()).numpy().tobytes())
         else:
             h.update(repr(value).encode())
     return h.hexdigest()

@@ -44,6 +44,12 @@ def from_bits(u):
 
 
 @triton.jit
+def wide(x):
+    """x as a float64; ``tl.cast`` takes the folded scalars too, which the interpreter passes as Python floats."""
+    return tl.cast(x, tl.float64)
+
+
+@triton.jit
 def signed_zero(x):
     return from_bits(bits(x) & SIGN)
 
@@ -85,7 +91,7 @@ def sub(a, b):
 def mul(a, b, BEFORE_ROUNDING: tl.constexpr):
     r = a * b
     if BEFORE_ROUNDING:
-        exact = a.to(tl.float64) * b.to(tl.float64)  # 48 bits: exact
+        exact = wide(a) * wide(b)  # 48 bits: exact
         return _before_rounding(r, tl.abs(exact) < TINY)
     else:
         return _after_rounding(r, (a * HALF_SCALE) * (b * HALF_SCALE))
@@ -95,7 +101,7 @@ def mul(a, b, BEFORE_ROUNDING: tl.constexpr):
 def div(a, b, BEFORE_ROUNDING: tl.constexpr):
     r = tl.math.div_rn(a, b)
     if BEFORE_ROUNDING:
-        return _before_rounding(r, tl.abs(a.to(tl.float64)) < tl.abs(b.to(tl.float64)) * TINY)
+        return _before_rounding(r, tl.abs(wide(a)) < tl.abs(wide(b)) * TINY)
     else:
         return _after_rounding(r, tl.math.div_rn(tl.abs(a) * SCALE, tl.abs(b)))
 
@@ -107,8 +113,8 @@ def fma(a, b, c, BEFORE_ROUNDING: tl.constexpr):
     if BEFORE_ROUNDING:
         # The exact sum as a float64 and its rounding error (Knuth's two-sum): below 2^-126 exactly when the
         # rounded sum is, or equals it and the error points below.
-        product = a.to(tl.float64) * b.to(tl.float64)
-        addend = c.to(tl.float64)
+        product = wide(a) * wide(b)
+        addend = wide(c)
         total = product + addend
         back = total - product
         error = (product - (total - back)) + (addend - back)

@@ -25,6 +25,10 @@ from .floats import (
     sub,
 )
 
+# Triton compiles an integer argument equal to 1 as a constant, and each divisibility by 16 as its own variant: the
+# counter and keys change every step (a key is 1 once in 2^32 draws), so they are plain arguments always.
+RANDOM_ARGUMENTS = ("first_counter", "key", "key_after_wrap", "wrap")
+
 F32: tl.constexpr = tl.constexpr(0)
 BF16: tl.constexpr = tl.constexpr(1)
 
@@ -112,7 +116,7 @@ def _store_param(
             tl.store(out_ptr + offsets, as_int16(bf16_nearest(p)), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=RANDOM_ARGUMENTS)
 def adam_kernel(
     param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, out_ptr, n,
     first_counter, key, key_after_wrap, wrap,
@@ -141,7 +145,7 @@ def adam_kernel(
     _store_param(param_ptr, out_ptr, offsets, mask, p, first, k0, k1, wrap, PARAM, HAS_OUT, STOCHASTIC)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=RANDOM_ARGUMENTS)
 def adam_q8_kernel(
     param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, out_ptr, scales_ptr, n, scale_stride,
     first_counter, key, key_after_wrap, wrap,
