@@ -1,0 +1,112 @@
+"""accelerate's FSDP2 plugin with CPU offload (the real library) and CPUAdam, 2 gloo ranks.
+
+What an accelerate user configures for a model larger than the GPU: ``FullyShardedDataParallelPlugin
+(fsdp_version=2, cpu_offload=True)``, the optimizer built on the model before ``prepare`` (which
+moves it onto the DTensor shards), then ``accumulate``, ``backward``, ``clip_grad_norm_`` (the
+global norm over the CPU shards, all-reduced on gloo) and ``save_state`` / ``load_state`` (DCP).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from rank_spawn import run_ranks
+
+pytest.importorskip("accelerate")
+pytest.importorskip("transformers")
+
+from tiny_gpt2 import tiny_gpt2, token_batches
+
+from cpu_adam import CPUAdam
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
+ACCUMULATION = 2
+MAX_NORM = 0.05  # below the tiny model's grad norms: every step is clipped
+HYPER = dict(lr=1e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
+Build = Callable[[torch.nn.Module], torch.optim.Optimizer]
+
+
+def prepared(seed: int, build: Build):
+    """A fresh Accelerator with the FSDP2 plugin offloading to the CPU, and the prepared model and optimizer."""
+    from accelerate import Accelerator, FullyShardedDataParallelPlugin
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+    from accelerate.utils import DistributedType
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2,
+        cpu_offload=CPUOffloadPolicy(pin_memory=False),  # True on GPUs; pinning needs an accelerator
+        auto_wrap_policy="transformer_based_wrap",
+        transformer_cls_names_to_wrap=["GPT2Block"],
+        state_dict_type="SHARDED_STATE_DICT",
+    )
+    accelerator = Accelerator(cpu=True, fsdp_plugin=plugin, gradient_accumulation_steps=ACCUMULATION)
+    # accelerate takes a process group without accelerators for MULTI_CPU and drops the plugin (FSDP is
+    # only chosen beside GPUs and their kin); give it the state it sets up beside GPUs, so that
+    # everything after this line is accelerate's own FSDP2 path, as on a GPU machine.
+    PartialState().distributed_type = DistributedType.FSDP  # each AcceleratorState() copies PartialState's
+    accelerator.state.distributed_type = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = plugin
+    model = tiny_gpt2(seed)
+    model, optimizer = accelerator.prepare(model, build(model))
+    return accelerator, model, optimizer
+
+
+def train(accelerator, model, optimizer, data: list[torch.Tensor]) -> list[float]:
+    norms = []
+    for tokens in data:
+        with accelerator.accumulate(model):
+            accelerator.backward(model(input_ids=tokens, labels=tokens).loss)
+            if accelerator.sync_gradients:
+                norms.append(float(accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)))
+            optimizer.step()
+            optimizer.zero_grad()
+    return norms
+
+
+def shards(model, optimizer) -> list[torch.Tensor]:
+    state = optimizer.optimizer.state
+    out = []
+    for p in model.parameters():
+        out.append(p.to_local())
+        out += [state[p][key].to_local() for key in ("exp_avg", "exp_avg_sq")]
+    return out
+
+
+def _trains_as_torch_adamw_and_resumes(rank: int, world_size: int, folder: str) -> None:
+    from torch.distributed.tensor import DTensor
+
+    data = token_batches(4 * ACCUMULATION, seed=1 + rank)
+    half = len(data) // 2
+
+    accelerator, model, optimizer = prepared(0, lambda m: CPUAdam(m.parameters(), **HYPER))
+    params = optimizer.optimizer.param_groups[0]["params"]
+    assert all(isinstance(p, DTensor) and p.device.type == "cpu" for p in params), "not on the CPU shards"
+    norms = train(accelerator, model, optimizer, data[:half])
+    accelerator.save_state(folder)
+    norms += train(accelerator, model, optimizer, data[half:])
+    straight = shards(model, optimizer)
+
+    reference = prepared(0, lambda m: torch.optim.AdamW(m.parameters(), **HYPER, foreach=False))
+    expected_norms = train(*reference, data)
+    # The first step's grads are the same bits; later ones differ by the optimizers' rounding.
+    assert norms[0] == expected_norms[0] and min(norms) > 2 * MAX_NORM
+    torch.testing.assert_close(norms, expected_norms, rtol=1e-4, atol=0)
+    for mine, theirs in zip(straight, shards(*reference[1:]), strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-7)
+
+    accelerator, model, optimizer = prepared(7, lambda m: CPUAdam(m.parameters(), **HYPER))  # other weights
+    accelerator.load_state(folder)
+    train(accelerator, model, optimizer, data[half:])
+    for mine, theirs in zip(shards(model, optimizer), straight, strict=True):
+        assert torch.equal(mine, theirs), f"rank {rank}: the resumed run differs from the straight one"
+
+
+def test_fsdp2_plugin_with_cpu_offload_steps_clips_and_resumes_cpu_adam(tmp_path: Path) -> None:
+    run_ranks(_trains_as_torch_adamw_and_resumes, str(tmp_path / "state"), timeout_s=180)
