@@ -18,15 +18,14 @@ from rank_spawn import run_ranks
 pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
 
+from test_accelerate import ACCUMULATION, HYPER, MAX_NORM
+from test_accelerate import _with_accelerate as train  # one process's loop: accumulate, clip, step
 from tiny_gpt2 import tiny_gpt2, token_batches
 
 from cpu_adam import CPUAdam
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
-ACCUMULATION = 2
-MAX_NORM = 0.05  # below the tiny model's grad norms: every step is clipped
-HYPER = dict(lr=1e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
 Build = Callable[[torch.nn.Module], torch.optim.Optimizer]
 
 
@@ -56,18 +55,6 @@ def prepared(seed: int, build: Build):
     model = tiny_gpt2(seed)
     model, optimizer = accelerator.prepare(model, build(model))
     return accelerator, model, optimizer
-
-
-def train(accelerator, model, optimizer, data: list[torch.Tensor]) -> list[float]:
-    norms = []
-    for tokens in data:
-        with accelerator.accumulate(model):
-            accelerator.backward(model(input_ids=tokens, labels=tokens).loss)
-            if accelerator.sync_gradients:
-                norms.append(float(accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)))
-            optimizer.step()
-            optimizer.zero_grad()
-    return norms
 
 
 def shards(model, optimizer) -> list[torch.Tensor]:
