@@ -59,18 +59,16 @@ class DeviceStore:
     def place(self, keys: frozenset[Key], budget: int | None) -> None:
         """The state of ``keys`` on the device: resident for the first of them whose state fits ``budget`` bytes
         (None: all), streamed for the rest; the state of the others in the host store."""
+        self.keep_only(keys)
         resident, used = set(), 0
         for key in sorted(keys):
             size = self.state_bytes(key)
             if budget is None or used + size <= budget:
                 resident.add(key)
                 used += size
-        self._dev.wait_host(self._down)
-        for key in [key for key in self._resident if key not in resident]:
+        for key in [key for key in self._resident if key not in resident]:  # streamed from now on
             self._write_back(key)
             self._dev.release(list(_tensors(self._resident.pop(key))))
-        for key in self.keys - keys:
-            self._masters_from_weights(key)  # a streamed bucket leaving: its master was the weights
         for key in sorted(resident - set(self._resident)):
             views, event = self._link.state_up(self._host_views(key))
             self._dev.wait_host(event)
@@ -80,6 +78,16 @@ class DeviceStore:
             self._dev.release(list(_tensors(self._fetched.pop(key)[0])))
         for g in {g for g, _ in self.streamed}:
             self._host.pin(g)
+
+    def keep_only(self, keys: frozenset[Key]) -> None:
+        """The buckets not in ``keys`` leave the device: their state back in the host store, their memory given back."""
+        self._dev.wait_host(self._down)
+        for key in [key for key in self._resident if key not in keys]:
+            self._write_back(key)
+            self._dev.release(list(_tensors(self._resident.pop(key))))
+        for key in self.streamed - keys:
+            self._masters_from_weights(key)  # a streamed bucket leaving: its master was the weights
+        self.streamed &= keys
 
     def views(self, key: Key) -> ChunkViews:
         """Bucket ``key``'s state on the device, for the compute stream (streamed state fetched if it is not)."""

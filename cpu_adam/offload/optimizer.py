@@ -265,7 +265,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._rooms.link.drop_kept()
         self._rooms.device_store.release()  # streamed state fetched for a step not taken
         self._rooms.overlap.reset()
-        self._rooms.share.begin()
+        house.begin_share(self._rooms)
 
     def _warn_no_grads(self) -> None:
         if not self._warned_no_grads:

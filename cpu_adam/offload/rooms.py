@@ -4,6 +4,7 @@ hold between them: the host and device bytes, the master weights.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +31,16 @@ from .store import HostStore, Store
 from .window import Window
 from .world import World, world_of
 
-__all__ = ["Options", "Rooms", "build", "master_weights", "memory_stats", "request_share", "synced_state"]
+__all__ = [
+    "Options",
+    "Rooms",
+    "begin_share",
+    "build",
+    "master_weights",
+    "memory_stats",
+    "request_share",
+    "synced_state",
+]
 
 
 @dataclass(frozen=True)
@@ -161,7 +171,7 @@ def memory_stats(rooms: Rooms) -> dict[str, Any]:
         "world_size": rooms.world.size,
         "shard_elements": sum(layout.shard_numel for layout in layouts),  # this rank's, padding included
         "host_bytes": host,
-        "host_bytes_per_param": host / params,
+        "host_bytes_per_param": host / params if params else math.nan,  # no param to share them: undefined
         "master_bytes": master,
         "state_bytes": states,
         "pinned_bytes": pinned,
@@ -186,8 +196,18 @@ def request_share(rooms: Rooms, fraction: float | str) -> float | str:
     if not auto:
         rooms.share.request(buckets_for(rooms.layouts, fraction))
         if not rooms.window.begun:
-            rooms.share.begin()
+            begin_share(rooms)
     return fraction
+
+
+def begin_share(rooms: Rooms) -> None:
+    """A window begins with the share last requested. Where it changed, the host store is made whole for the
+    buckets that move before any backward reads it: the deferred steps of overlap="backward" committed (a bucket
+    joining the device takes its state up from the host store), and the state of the buckets leaving the device
+    copied back (the previews of the host's buckets read it as their grads land)."""
+    if rooms.share.begin():
+        rooms.overlap.settle()
+        rooms.device_store.keep_only(rooms.share.keys)
 
 
 def _check_kernel_for(fraction: float | str) -> None:

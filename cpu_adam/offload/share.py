@@ -22,7 +22,8 @@ Key = tuple[int, int]  # (group, bucket)
 
 
 def buckets_for(layouts: list[FlatLayout | None], fraction: float) -> frozenset[Key]:
-    """Each group's first buckets holding ``fraction`` of its elements, to the nearest bucket boundary."""
+    """Each group's first buckets holding ``fraction`` of its elements, to the nearest bucket boundary; a bucket of
+    zero-size params alone holds no state to step anywhere, and stays the host's."""
     keys = set()
     for g, layout in enumerate(layouts):
         if layout is None or fraction <= 0:
@@ -31,7 +32,8 @@ def buckets_for(layouts: list[FlatLayout | None], fraction: float) -> frozenset[
         for b, bucket in enumerate(layout.buckets):
             if taken + bucket.numel / 2 > want and fraction < 1:
                 break
-            keys.add((g, b))
+            if bucket.numel:
+                keys.add((g, b))
             taken += bucket.numel
     return frozenset(keys)
 
@@ -58,10 +60,12 @@ class Share:
         """The buckets the device is to step from the next window on (``begin``); the step moves their state."""
         self._requested = keys
 
-    def begin(self) -> None:
-        """A window begins: the buckets last requested are the device's."""
+    def begin(self) -> bool:
+        """A window begins: the buckets last requested are the device's. Returns whether they changed."""
+        before = self.keys
         if self._requested is not None:
             self.keys, self._requested = self._requested, None
+        return self.keys != before
 
     @property
     def fraction(self) -> float:

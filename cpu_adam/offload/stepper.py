@@ -45,7 +45,7 @@ class Chunk(NamedTuple):
 class Run(NamedTuple):
     """Consecutive params of one bucket stepped by one tuple of the kernel's lists."""
 
-    host: slice  # their elements in the host buffers (the zero padding between them included)
+    host: slice  # their elements in the host buffers (with no padding between them: padding is never stepped)
     part: slice  # the first param's elements (where its random counters start)
     first: int  # the first param
     bucket: int
@@ -188,8 +188,8 @@ class Stepper:
     ) -> dict[int, tuple[list, ...]]:
         """The kernel's (masters, grads, exp_avgs, exp_avg_sqs, bf16_outs, counter offsets, state scales), by step.
 
-        Consecutive params of a bucket (with the zero padding between them) share one tuple,
-        except where the kernel writes straight into each param's storage.
+        Consecutive params of a bucket with no padding between them share one tuple, except where the kernel writes
+        straight into each param's storage.
         """
         g = chunk.group
         counts = self._store.steps[g] if counts is None else counts
@@ -227,14 +227,17 @@ class Stepper:
     ) -> dict[int, list[Run]]:
         """The runs of ``chunk``'s params that ``got`` a grad, by the step they take (their counts before it:
         ``counts``, the store's by default); ``per_param``: a run per param (the kernel writes each into its own
-        storage), else consecutive params of a bucket share one."""
+        storage), else consecutive params of a bucket share one where no padding lies between them.
+
+        Padding is never stepped: with eps=0 Adam makes NaN of its zeros (0 / (0 + 0)), which would land in the
+        masters' padding, and with 8-bit moments in the scale of the block a param shares with its padding."""
         counts = self._store.steps[chunk.group] if counts is None else counts
         by_step: dict[int, list[Run]] = {}
         for i, part, host, b in self._segments_of(chunk):
             if not got[i]:
                 continue
             runs = by_step.setdefault(counts[i] + 1, [])  # the step being taken
-            if not per_param and runs and runs[-1].bucket == b and runs[-1].last == i - 1:
+            if not per_param and runs and runs[-1].bucket == b and runs[-1].host.stop == host.start:
                 runs[-1] = runs[-1]._replace(host=slice(runs[-1].host.start, host.stop), last=i)
             else:
                 runs.append(Run(host, part, i, b, i))

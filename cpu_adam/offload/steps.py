@@ -36,8 +36,10 @@ def take(r: Rooms, hypers: list[dict[str, Any] | None], finished: Finished, sync
     with r.dev.uploading():  # after what the compute stream still does with the weights
         overlapped = r.overlap.upload(hypers, finished, synced)
         for g, hyper in enumerate(hypers):
+            if overlapped or hyper is None:  # a group of frozen params alone has no store to upload from
+                continue
             source = r.stepper.upload_source(g)
-            for chunk in [] if overlapped or hyper is None else r.stepper.chunks[g]:
+            for chunk in r.stepper.chunks[g]:
                 r.stepper.step(chunk, hyper, finished.grads, finished.got[g])
                 for b in range(chunk.first, chunk.last):  # overlapping the next chunk's compute
                     r.link.up(g, b, finished.got[g], source)
