@@ -27,6 +27,7 @@ from test_offload_digest import (
     HYPER,
     ZERO_CONFIGS,
     WithSide,
+    _device,
     run_scenario,
 )
 
@@ -193,6 +194,54 @@ def test_a_failure_before_the_device_step_changes_nothing_and_its_retry_equals_a
     assert all(torch.equal(a, b) if torch.is_tensor(a) else a == b for a, b in zip(failed, twin))
 
 
+def _steps_with_a_param_missing(device: str, share: float, **options) -> list:
+    """A bucket of a 256-element param (one whole 8-bit block), one that misses the second step, and one more: the
+    run before the missing param ends on a block boundary inside the bucket."""
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n, generator=g).to(torch.bfloat16)) for n in (256, 300, 100)]
+    with _device(device):
+        opt = OffloadOptimizer(params, **HYPER, device_fraction=share, **options)
+    seen = []
+    for step in range(3):
+        used = [p for i, p in enumerate(params) if not (step == 1 and i == 1)]
+        sum(p.float().square().sum() * (i + 1) for i, p in enumerate(used)).backward()
+        opt.step()
+        opt.zero_grad()
+        seen += [raw(p) for p in params]
+    seen += _state_bytes(opt)
+    opt.close()
+    return seen
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_8bit_scale_blocks_of_a_run_ending_on_a_block_boundary_inside_a_bucket(device: str):
+    options = dict(state_precision="8bit", master_weights_dtype=torch.bfloat16, stochastic_rounding=True, seed=5)
+    shared, host = (_steps_with_a_param_missing(device, share, **options) for share in (1.0, 0.0))
+    assert all(torch.equal(a, b) if torch.is_tensor(a) else a == b for a, b in zip(shared, host))
+
+
+def test_a_device_launch_that_raises_leaves_the_step_counts_of_the_buckets_it_did_not_step(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    model = make_model(0)
+    opt = OffloadOptimizer(model.parameters(), **HYPER, device_fraction=1.0)
+    for tokens in batches(2):
+        lm_loss(model, tokens).backward()
+        opt.step()
+        opt.zero_grad()
+    before = opt.state_dict()["state"][0]["param_steps"]
+
+    def failing(self) -> None:
+        raise RuntimeError("simulated launch failure")
+
+    monkeypatch.setattr(device_kernel.Launches, "__call__", failing)
+    lm_loss(model, batches(3)[2]).backward()
+    with pytest.raises(RuntimeError, match="simulated launch failure"):
+        opt.step()
+    assert opt.state_dict()["state"][0]["param_steps"] == before == [2] * len(before)
+    opt.close()
+
+
 def test_a_share_set_during_a_window_applies_from_the_next():
     def run(switch: bool) -> list:
         model = make_model(0)
@@ -317,6 +366,43 @@ def test_auto_changing_the_share_from_step_to_step_gives_the_all_host_bits(monke
     for name in ("fp32-clip", "bf16-sr-8bit-clip_grad_norm_"):
         assert run_scenario(name, "copying", device_fraction="auto") == EXPECTED[f"{name}/copying"]
     assert len(set(seen)) > 2, f"the share changed from step to step: {seen}"
+
+
+def _auto_rank(rank: int, world_size: int, out: Path) -> None:
+    from cpu_adam.offload import auto
+
+    # Rank 0 sees room beside the activations for the state of fewer buckets than rank 1.
+    room = [30, 300][rank] * 1024
+    observed = auto.Observed(2**20 + room, 2**20, 2**30, window_s=1.0, up_rate=1e4, down_rate=1e4)
+    auto.Planner.observed = lambda self: observed
+    planned = []
+    real_plan = auto.plan_share
+
+    def noting(*args, **kwargs):
+        plan = real_plan(*args, **kwargs)
+        planned.append(len(plan.keys))
+        return plan
+
+    auto.plan_share = noting
+    model = make_model(0)
+    opt = OffloadOptimizer(model.parameters(), **HYPER, process_group=dist.group.WORLD, device_fraction="auto")
+    for tokens in batches(2, batch=4 * world_size):
+        lm_loss(model, tokens.chunk(world_size)[rank]).backward()
+        opt.step()
+        opt.zero_grad()
+    torch.save({"planned": planned[-1], "taken": sorted(opt._rooms.share.keys)}, out / f"auto{rank}.pt")
+    opt.close()
+
+
+@pytest.mark.dist
+def test_auto_takes_the_share_every_rank_can_hold(tmp_path: Path):
+    from rank_spawn import run_ranks
+
+    run_ranks(_auto_rank, tmp_path, timeout_s=120.0)
+    ranks = [torch.load(tmp_path / f"auto{r}.pt") for r in range(2)]
+    planned = [r["planned"] for r in ranks]
+    assert planned[0] < planned[1], f"the ranks' plans must differ for the test to mean anything: {planned}"
+    assert ranks[0]["taken"] == ranks[1]["taken"] and len(ranks[0]["taken"]) == min(planned)
 
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

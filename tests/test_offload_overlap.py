@@ -164,6 +164,17 @@ def test_clip_grad_norm_that_does_not_clip_keeps_the_previews():
     assert _same(overlapped, serial) and all(held[1:])
 
 
+def test_grads_whose_norm_stays_below_max_grad_norm_keep_the_previews():
+    # Their norm (6.4-6.7 in these steps) lies between the limit's root and the limit: their squares' sum passes the
+    # limit as the buckets land, their norm never does, so no bucket may stop previewing.
+    limit = 10.0
+    serial, _ = _train("none", max_grad_norm=limit)
+    norms = [x for x in serial if isinstance(x, float)]
+    assert all(limit**0.5 < norm < limit for norm in norms), norms
+    overlapped, held = _train("backward", max_grad_norm=limit)
+    assert _same(overlapped, serial) and all(held)
+
+
 def test_a_state_dict_between_steps_waits_for_the_commits(monkeypatch: pytest.MonkeyPatch):
     # No commits ahead: the last step's commits are left for state_dict() and master_weights() to run.
     monkeypatch.setattr(offload.overlap.BackwardOverlap, "_commit_ahead", lambda self: False)
