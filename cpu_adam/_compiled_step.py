@@ -21,6 +21,8 @@ class GroupStep(NamedTuple):
     """One param group's part of an optimizer step: the tensors of its params that have grads, their
     step counts (0-dim tensors, torch's ``state["step"]``), and the group's hyper-parameters as
     ``adam_step`` takes them (``counter_offsets``: one per tensor, or none without stochastic rounding).
+    A param may be stepped as several tensors (``shards.pieces``): all but one then count in a copy of
+    its step count, and ``write_backs`` are (stepped copy, destination) pairs copied once stepped.
     """
 
     params: list[Tensor]
@@ -40,6 +42,7 @@ class GroupStep(NamedTuple):
     seed: int
     counter_offsets: list[int]
     state_scales: Sequence[Tensor] = ()  # 8-bit moments: one [2, blocks] tensor per param
+    write_backs: Sequence[tuple[Tensor, Tensor]] = ()
 
 
 def adam_step_groups(owner: str, groups: Sequence[GroupStep]) -> None:
@@ -65,10 +68,12 @@ def adam_step_groups(owner: str, groups: Sequence[GroupStep]) -> None:
             *(joined(name) for name in GroupStep._fields[:5]),
             # float64 holds a float lr exactly
             [lr if isinstance(lr, Tensor) else torch.tensor(lr, dtype=torch.float64) for lr in each("lr")],
-            *(each(name) for name in GroupStep._fields[6:-2]),
+            *(each(name) for name in GroupStep._fields[6:-3]),
             [offset for group in groups for offset in group.counter_offsets or [0] * len(group.params)],
             [bool(group.state_scales) for group in groups],
             joined("state_scales"),
+            [copy for group in groups for copy, _ in group.write_backs],
+            [destination for group in groups for _, destination in group.write_backs],
         )
         return
     _step_groups(groups)
@@ -84,6 +89,9 @@ def _step_groups(groups: Sequence[GroupStep]) -> None:
             adam_step(**kwargs)
             for i in indices:  # counted once the kernel has run: a step that raised changes no count
                 group.steps[i] += 1
+        for group in groups:
+            for copy, destination in group.write_backs:
+                destination.copy_(copy)
 
 
 def _kernel_calls(group: GroupStep) -> list[tuple[list[int], dict[str, Any]]]:
@@ -118,7 +126,8 @@ def _kernel_calls(group: GroupStep) -> list[tuple[list[int], dict[str, Any]]]:
 
 
 @torch.library.custom_op(
-    "cpu_adam_py::adam_step_groups_", mutates_args=("params", "exp_avgs", "exp_avg_sqs", "steps", "state_scales")
+    "cpu_adam_py::adam_step_groups_",
+    mutates_args=("params", "exp_avgs", "exp_avg_sqs", "steps", "state_scales", "copies", "destinations"),
 )
 def _adam_step_groups_op(
     owner: str,
@@ -141,9 +150,11 @@ def _adam_step_groups_op(
     counter_offsets: list[int],
     eight_bit: list[bool],
     state_scales: list[Tensor],
+    copies: list[Tensor],
+    destinations: list[Tensor],
 ) -> None:
     """``adam_step_groups`` as compiled: the groups' lists joined, ``sizes`` saying where each ends
-    (``state_scales`` holds those of the ``eight_bit`` groups only)."""
+    (``state_scales`` holds those of the ``eight_bit`` groups only; the write-backs are all the last group's)."""
     joined = (params, grads, exp_avgs, exp_avg_sqs, steps)
     per_group = (
         lr,
@@ -163,8 +174,9 @@ def _adam_step_groups_op(
         offsets = counter_offsets[start:end] if stochastic_rounding[g] or eight_bit[g] else []
         scales = state_scales[scales_start : scales_start + size] if eight_bit[g] else []
         scales_start += len(scales)
+        written = list(zip(copies, destinations)) if g == len(sizes) - 1 else []
         groups.append(
-            GroupStep(*(each[start:end] for each in joined), *(each[g] for each in per_group), offsets, scales)
+            GroupStep(*(each[start:end] for each in joined), *(each[g] for each in per_group), offsets, scales, written)
         )
         start = end
     for g, group in enumerate(groups):

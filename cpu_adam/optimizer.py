@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -11,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import ops, quant8
+from . import ops, shards
 from ._compiled_step import GroupStep, adam_step_groups
 from ._precision import MOMENTS, SCALES, check_saved_moments, converted_moments, resolved_precision, state_dtype
 from ._turn import Turn, one_at_a_time
@@ -28,12 +27,7 @@ _OWN_KEYS = (
 _UNSUPPORTED_FLAGS = ("amsgrad", "capturable", "differentiable")
 
 
-def _local(t: Tensor) -> Tensor:
-    """The tensor the kernel updates: a DTensor's local shard, else the tensor itself."""
-    # Importing torch.distributed.tensor costs most of a second; until someone has
-    # imported it, no DTensor can exist.
-    dtensor = sys.modules.get("torch.distributed.tensor")
-    return t.to_local() if dtensor is not None and isinstance(t, dtensor.DTensor) else t
+_local = shards.local
 
 
 def _busy(verb: str) -> RuntimeError:
@@ -164,15 +158,6 @@ class CPUAdam(torch.optim.Optimizer):
                 }
             _check_group(f"CPUAdam param group {len(self.param_groups)}", {**self.defaults, **param_group})
         super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        if group["state_precision"] == "8bit" and any(_local(p) is not p for p in group["params"]):
-            self.param_groups.pop()
-            raise ValueError(
-                f"CPUAdam param group {len(self.param_groups)}: 8-bit states of DTensor params (FSDP2) are not "
-                "supported: their block scales follow each rank's local shard, which distributed checkpoints "
-                "cannot reshard. Use state_precision='bf16' or 'fp32' with FSDP2, or cpu_adam.OffloadOptimizer "
-                "with a process_group for 8-bit states with data parallelism"
-            )
 
     @torch.no_grad()
     @one_at_a_time(_busy)  # not when compiled: a compiled step is one opaque op (_compiled_step.py)
@@ -188,19 +173,35 @@ class CPUAdam(torch.optim.Optimizer):
         return loss
 
     def _group_step(self, index: int, group: dict[str, Any]) -> GroupStep:
-        params: list[Tensor] = []
-        grads: list[Tensor] = []
-        exp_avgs: list[Tensor] = []
-        exp_avg_sqs: list[Tensor] = []
-        steps: list[Tensor] = []
-        scales: list[Tensor] = []
-        self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, steps, scales)
-        offsets = []
+        tensors: tuple[list[Tensor], ...] = ([], [], [], [], [], [])  # params, grads, moments, steps, 8-bit scales
+        indices: list[int] = []
+        self._init_group(group, *tensors, indices)
+        eight_bit = group["state_precision"] == "8bit"
         # Random bits (bf16 param stores, 8-bit codes): each param at its place in the group's counter
-        # space, grad or not.
-        if group["stochastic_rounding"] or group["state_precision"] == "8bit":
-            places = ops.back_to_back(group["params"], ops.group_counter_base(index))
-            offsets = [offset for p, offset in zip(group["params"], places) if p.grad is not None]
+        # space, grad or not, and each element of a DTensor shard at its place in the whole param.
+        places = ops.back_to_back(group["params"], ops.group_counter_base(index))
+        rounded = group["stochastic_rounding"]
+        random_bits = [eight_bit or (rounded and p.dtype == torch.bfloat16) for p in group["params"]]
+        params, grads, exp_avgs, exp_avg_sqs, steps, scales, offsets, write_backs = ([] for _ in range(8))
+        for n, i in enumerate(indices):
+            p = group["params"][i]
+            parts = shards.pieces(
+                *(each[n] for each in tensors[:4]),
+                tensors[5][n] if eight_bit else None,
+                counter=places[i],
+                start=self._shard_start(p),
+                random_bits=random_bits[i],
+            )
+            for k, part in enumerate(parts):
+                params.append(part.param)
+                grads.append(part.grad)
+                exp_avgs.append(part.exp_avg)
+                exp_avg_sqs.append(part.exp_avg_sq)
+                steps.append(tensors[4][n] if k == 0 else tensors[4][n].clone())  # counted once
+                if part.scales is not None:
+                    scales.append(part.scales)
+                offsets.append(part.counter)
+                write_backs.extend(part.write_backs)
         beta1, beta2 = group["betas"]
         return GroupStep(
             params,
@@ -218,9 +219,17 @@ class CPUAdam(torch.optim.Optimizer):
             grad_scale=-1.0 if group.get("maximize") else 1.0,  # maximize: the step climbs the grad
             stochastic_rounding=bool(group["stochastic_rounding"]),
             seed=int(group["seed"]),
-            counter_offsets=offsets,
+            counter_offsets=offsets if any(random_bits) else [],
             state_scales=scales,
+            write_backs=write_backs,
         )
+
+    def _shard_start(self, p: Tensor) -> int:
+        """Where ``p``'s local shard starts in its whole param (0 for a plain tensor), found once per param."""
+        starts = self.__dict__.setdefault("_shard_starts", {})
+        if id(p) not in starts:
+            starts[id(p)] = shards.shard_start(p)
+        return starts[id(p)]
 
     def _init_group(
         self,
@@ -231,14 +240,15 @@ class CPUAdam(torch.optim.Optimizer):
         exp_avg_sqs: list[Tensor],
         steps: list[Tensor],
         state_scales: list[Tensor],
+        indices: list[int],
     ) -> None:
-        """Appends the tensors of the params that have grads (and the block scales of 8-bit states);
-        state is created on a param's first step.
+        """Appends the local tensors of the params that have grads (and the block scales of 8-bit states),
+        and the params' places in the group; state is created on a param's first step.
 
-        Named and shaped as torch's optimizers' method, which torch.compile runs in Python
-        instead of tracing it.
+        Named and shaped as torch's optimizers' method, which torch.compile runs in Python instead of
+        tracing it.
         """
-        for p in group["params"]:
+        for i, p in enumerate(group["params"]):
             if p.grad is None:
                 continue
             state = self.state[p]
@@ -248,7 +258,8 @@ class CPUAdam(torch.optim.Optimizer):
                 for key in MOMENTS:
                     state[key] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
                 if dtype == torch.uint8:  # an all-zero block's scale is 1
-                    state[SCALES] = torch.ones(2, quant8.blocks(_local(p).numel()), dtype=torch.float32)
+                    blocks = shards.local_blocks(_local(p).numel(), self._shard_start(p))
+                    state[SCALES] = torch.ones(2, blocks, dtype=torch.float32)
             params.append(_local(p))
             grads.append(_local(p.grad))
             exp_avgs.append(_local(state["exp_avg"]))
@@ -256,6 +267,7 @@ class CPUAdam(torch.optim.Optimizer):
             steps.append(state["step"])
             if SCALES in state:
                 state_scales.append(state[SCALES])
+            indices.append(i)
 
     @one_at_a_time(_busy)
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -131,9 +131,6 @@ def _bf16_states_train(rank: int, world_size: int) -> None:
             assert state.dtype == torch.bfloat16, f"{key} is {state.dtype}"
             assert state.shape == local(p).shape
     assert losses[-1] < 0.6 * losses[0], f"rank {rank}: loss went {losses[0]:.4f} -> {losses[-1]:.4f}"
-    # 8-bit states are refused on DTensor params, naming what works instead.
-    with pytest.raises(ValueError, match=r"8-bit states of DTensor params .* state_precision='bf16'"):
-        CPUAdam(model.parameters(), **HYPER, state_precision="8bit")
 
 
 def test_fsdp2_bf16_states_train() -> None:
