@@ -15,6 +15,7 @@ from ._compiled_step import GroupStep, adam_step_groups
 from ._precision import MOMENTS, SCALES, check_saved_moments, converted_moments, resolved_precision, state_dtype
 from ._turn import Turn, one_at_a_time
 from ._validation import check_hyper_parameters, check_param_group, check_step_count, checked_seed
+from .grad_norm import check_max_grad_norm, clip_factor, total_norm
 
 _OWN_KEYS = (
     "bias_correction",
@@ -70,6 +71,12 @@ class CPUAdam(torch.optim.Optimizer):
         seed: the random bits of stochastic rounding and of 8-bit codes (default 0:
             not drawn from torch's generator, so that data-parallel replicas seeded
             per rank still step alike). Saved in the state dict.
+        max_grad_norm: clip the grads by their global 2-norm inside the step, as
+            ``torch.nn.utils.clip_grad_norm_(params, max_grad_norm)`` before it would,
+            over all param groups and, for DTensor params (FSDP2), over all ranks of
+            their mesh (one all-reduce a step); no pass rewrites the grads. The norm of
+            the last step is ``grad_norm``. The attribute ``max_grad_norm`` may be changed
+            between steps; it is not part of the state dict.
     """
 
     def __init__(
@@ -87,6 +94,7 @@ class CPUAdam(torch.optim.Optimizer):
         state_precision: str | None = None,
         stochastic_rounding: bool = False,
         seed: int | None = None,
+        max_grad_norm: float | None = None,
         maximize: bool = False,
         foreach: bool | None = None,
         fused: bool | None = None,
@@ -129,13 +137,20 @@ class CPUAdam(torch.optim.Optimizer):
             "seed": checked_seed("CPUAdam", seed),
         }
         self._turn = Turn()  # before torch's __init__, which calls add_param_group
+        self.max_grad_norm = check_max_grad_norm("CPUAdam", max_grad_norm)
+        self.grad_norm: Tensor | None = None
         super().__init__(params, defaults)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**super().__getstate__(), "max_grad_norm": self.__dict__.get("max_grad_norm")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         # Unpickled or copied (torch's __getstate__ keeps defaults, state and groups alone): a lock of its own. Within
         # load_state_dict, torch's load calls this too: the lock held stays the one.
         self.__dict__.setdefault("_turn", Turn())
+        self.__dict__.setdefault("max_grad_norm", None)
+        self.__dict__.setdefault("grad_norm", None)
         # Groups loaded from torch.optim.Adam/AdamW lack our keys (and only those are added:
         # keys torch's own __setstate__ puts in the defaults would change the state dict).
         for group in self.param_groups:
@@ -168,11 +183,25 @@ class CPUAdam(torch.optim.Optimizer):
                 loss = closure()
         for index, group in enumerate(self.param_groups):  # all before any is stepped: a refused step changes nothing
             _check_group(f"CPUAdam param group {index}", group)
-        groups = [self._group_step(index, group) for index, group in enumerate(self.param_groups)]
+        clip = self._clip_factor()
+        groups = [self._group_step(index, group, clip) for index, group in enumerate(self.param_groups)]
         adam_step_groups("CPUAdam", groups)
         return loss
 
-    def _group_step(self, index: int, group: dict[str, Any]) -> GroupStep:
+    def _clip_factor(self) -> float:
+        """What the grads are multiplied by in the step: clip_grad_norm_'s factor with ``max_grad_norm``, else 1."""
+        max_grad_norm = check_max_grad_norm("CPUAdam", self.max_grad_norm)  # may be set between steps
+        if max_grad_norm is None:
+            return 1.0
+        if torch.compiler.is_compiling():
+            raise RuntimeError(
+                "CPUAdam: max_grad_norm reads the grads' norm in Python, which a compiled step cannot; "
+                "compile without it and clip with torch.nn.utils.clip_grad_norm_, or step eagerly"
+            )
+        self.grad_norm = total_norm([p.grad for g in self.param_groups for p in g["params"] if p.grad is not None])
+        return clip_factor(self.grad_norm, max_grad_norm)
+
+    def _group_step(self, index: int, group: dict[str, Any], clip: float = 1.0) -> GroupStep:
         tensors: tuple[list[Tensor], ...] = ([], [], [], [], [], [])  # params, grads, moments, steps, 8-bit scales
         indices: list[int] = []
         self._init_group(group, *tensors, indices)
@@ -216,7 +245,7 @@ class CPUAdam(torch.optim.Optimizer):
             weight_decay=float(group["weight_decay"]),
             adamw_mode=bool(group["decoupled_weight_decay"]),
             bias_correction=bool(group["bias_correction"]),
-            grad_scale=-1.0 if group.get("maximize") else 1.0,  # maximize: the step climbs the grad
+            grad_scale=-clip if group.get("maximize") else clip,  # maximize: the step climbs the grad
             stochastic_rounding=bool(group["stochastic_rounding"]),
             seed=int(group["seed"]),
             counter_offsets=offsets if any(random_bits) else [],

@@ -78,9 +78,9 @@ def cut_elements(numel: int, row_size: int, rows: int, world_size: int) -> Tenso
 def assert_bitwise(actual: Tensor, expected: Tensor, what: str) -> None:
     assert actual.dtype == expected.dtype, f"{what}: {actual.dtype} vs {expected.dtype}"
     size = actual.element_size()
-    raw = [t.contiguous().view(torch.uint8).reshape(-1, size) for t in (actual, expected)]
+    raw = [t.reshape(-1).contiguous().view(torch.uint8).reshape(-1, size) for t in (actual, expected)]
     differ = (raw[0] != raw[1]).any(dim=1)
-    assert not differ.any(), f"{what}: {int(differ.sum())} of {actual.numel()} elements differ from one process's"
+    assert not differ.any(), f"{what}: {int(differ.sum())} of {actual.numel()} elements differ from the reference's"
 
 
 def _steps_as_one_process(rank: int, world_size: int) -> None:
