@@ -13,9 +13,9 @@ import torch
 from offload_helpers import CopyingCPU, batches, lm_loss, make_model
 from torch import nn
 
-from cpu_adam import OffloadOptimizer, offload
+from cpu_adam import CPUAdam, OffloadOptimizer, offload
 from cpu_adam.offload.schedule import OPEN_BUCKETS
-from cpu_adam.plan import PlanError, from_config, parse_bytes, parse_count, plan
+from cpu_adam.plan import PlanError, from_config, parse_bytes, parse_count, plan, plan_fsdp2
 from cpu_adam.plan.__main__ import main
 from cpu_adam.plan.probe import measure_bandwidth
 
@@ -411,3 +411,118 @@ def test_the_planned_device_share_is_what_the_optimizer_holds_on_the_device(grou
             row.device_bytes
             == row.weights_bytes + row.grad_buffer_bytes + row.device_state_bytes + row.device_grads_bytes
         )
+
+
+# -- FSDP2 with CPU offload and CPUAdam ----------------------------------------------------------
+
+
+def _fsdp2_model(dtype: torch.dtype) -> nn.Module:
+    torch.manual_seed(0)  # 33 and 9 rows do not split evenly over 2 ranks: padded shards
+    return nn.Sequential(nn.Linear(12, 33), nn.Tanh(), nn.Linear(33, 9), nn.Linear(9, 1, bias=False)).to(dtype)
+
+
+def _held_by_each_rank(rank: int, world_size: int, out: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    held = {}
+    for shard_name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        for precision in ("fp32", "bf16", "8bit"):
+            model = _fsdp2_model(dtype)
+            mesh = init_device_mesh("cpu", (world_size,))
+            for layer in model:
+                if any(True for _ in layer.parameters()):
+                    fully_shard(layer, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
+            fully_shard(model, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
+            try:
+                opt = CPUAdam(
+                    model.parameters(), state_precision=precision, stochastic_rounding=dtype == torch.bfloat16
+                )
+            except ValueError:  # a precision CPUAdam does not take on DTensor params: nothing to compare
+                continue
+            model(torch.randn(4, 12, dtype=dtype)).float().sum().backward()
+            opt.step()
+            params = list(model.parameters())
+            state = [t for p in params for k, t in opt.state[p].items() if k != "step"]
+            parts = [[p.to_local() for p in params], [p.grad.to_local() for p in params], [_local(t) for t in state]]
+            sizes = torch.tensor([sum(t.nbytes for t in part) for part in parts], dtype=torch.int64)
+            torch.distributed.all_reduce(sizes, op=torch.distributed.ReduceOp.MAX)  # rank 0's shards, the largest
+            assert all(t.device.type == "cpu" and t.dtype == dtype for t in parts[0] + parts[1])
+            held[shard_name, precision] = sizes.tolist()
+    if rank == 0:
+        torch.save(held, out)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+@pytest.mark.dist
+def test_the_fsdp2_plan_is_what_each_rank_holds(tmp_path: Path):
+    from rank_spawn import run_ranks
+
+    run_ranks(_held_by_each_rank, str(tmp_path / "held.pt"))
+    held = torch.load(tmp_path / "held.pt")
+    assert ("fp32", "fp32") in held and ("bf16", "bf16") in held
+    rows = {(r.shard_dtype, r.state_precision): r for r in plan_fsdp2(_fsdp2_model(torch.float32), 2, **BUDGET)}
+    for key, (weights, grads, states) in held.items():
+        row = rows[key]
+        assert (row.weight_bytes, row.grad_bytes, row.state_bytes) == (weights, grads, states), key
+    assert rows["fp32", "fp32"].rank_params == 17 * 12 + 17 + 5 * 33 + 5 + 9  # ceil(rows / 2) of each param
+
+
+def test_the_fsdp2_units_are_a_config_models_layers(tmp_path: Path):
+    for name, config in CONFIGS.items():
+        spec = from_config(write_config(tmp_path, config))
+        layers = config.get("n_layer") or config["num_hidden_layers"]
+        assert sum(spec.units) == spec.params, name
+        assert len(set(spec.units[-layers - 2 :])) > 1 and spec.units.count(spec.units[-3]) >= layers - 1, name
+    path = write_config(tmp_path, CONFIGS["llama untied"])
+    model = transformers_model(path)  # skips without transformers
+    d, vocab = LLAMA["hidden_size"], LLAMA["vocab_size"]
+    per_layer = [sum(p.numel() for p in layer.parameters()) for layer in model.model.layers]
+    assert from_config(path).units == (vocab * d, *per_layer, d + vocab * d)
+
+
+def test_the_fsdp2_plan_per_rank_per_host_and_per_unit():
+    rows = plan_fsdp2("70B", 8, **BUDGET, bandwidth=28e9)
+    fp32 = rows[0]
+    assert (fp32.shard_dtype, fp32.state_precision, fp32.ranks_per_host) == ("fp32", "fp32", 8)
+    assert fp32.rank_bytes == 16 * 70e9 / 8 and fp32.host_bytes == 8 * fp32.rank_bytes
+    assert fp32.unit_params is None and fp32.gpu_bytes is None and fp32.fits is False  # the host cannot hold it
+    bf16 = next(r for r in rows if (r.shard_dtype, r.state_precision) == ("bf16", "bf16"))
+    assert bf16.host_bytes_per_param == 8 and bf16.step_seconds == pytest.approx(fp32.step_seconds / 2)
+    assert fp32.step_seconds == pytest.approx(28 * 70e9 / 8 * 8 / 28e9)  # a host's 8 ranks share its bandwidth
+    one = plan_fsdp2("70B", 8, **BUDGET, ranks_per_host=1, unit_params="1B", bandwidth=28e9)[0]
+    assert one.step_seconds == pytest.approx(fp32.step_seconds / 8) and one.host_bytes == one.rank_bytes
+    assert one.gpu_bytes == 2 * 2 * 10**9 + 4 * 10**9 + 4 * 10**9 // 8  # gathered bf16 x2, fp32 grads, their shard
+    with pytest.raises(PlanError, match="world size"):
+        plan_fsdp2("7B", 0, **BUDGET)
+
+
+def test_the_command_line_plans_fsdp2(tmp_path: Path, capsys):
+    main(
+        [
+            "70B",
+            "--fsdp2",
+            "--world-size",
+            "8",
+            "--gpu-memory",
+            "80GiB",
+            "--host-memory",
+            "2TiB",
+            "--probe-seconds",
+            "0",
+        ]
+    )
+    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert len(table) == 7 and table[0].split("|")[1].strip() == "shards"
+    assert [c.strip() for c in table[1].split("|")[1:6]] == ["fp32", "fp32", "130.39", "16.00", "1,043.08"]
+    path = write_config(tmp_path, CONFIGS["llama untied"])
+    budget = ["--gpu-memory", "1GiB", "--host-memory", "1GiB", "--probe-seconds", "0", "--json"]
+    main([str(path), "--fsdp2", "--world-size", "2", *budget])
+    rows = json.loads(capsys.readouterr().out)
+    assert len(rows) == 6 and rows[0]["unit_params"] == max(from_config(path).units) and rows[0]["fits"] is True
+    with pytest.raises(SystemExit) as exit_:
+        main(["7B", "--fsdp2", "--world-size", "0", "--probe-seconds", "0"])
+    assert exit_.value.code == 2 and "world size" in capsys.readouterr().err

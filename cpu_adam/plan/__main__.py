@@ -15,8 +15,9 @@ from ..offload.options import DEFAULT_BUCKET_SIZE, OVERLAPS
 from ..offload.schedule import OPEN_BUCKETS
 from ..offload.window import ACCUMULATOR_DTYPE
 from ..quant8 import BLOCK
-from . import Row, model_spec, plan
+from . import Row, model_spec, plan, plan_fsdp2
 from .probe import DEFAULT_PROBE_SECONDS, measure_bandwidth
+from .report import fits, print_fsdp2, render, seconds
 from .sizes import PlanError, detect_gpu_memory, detect_host_memory, format_bytes, parse_bytes, parse_count
 
 GIB = 2**30
@@ -57,6 +58,15 @@ def main(argv: list[str] | None = None) -> None:
         help=f"the bandwidth probe's time (default {DEFAULT_PROBE_SECONDS}; 0: no estimate)",
     )
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    fsdp2 = parser.add_argument_group("FSDP2 with CPUOffloadPolicy and CPUAdam stepping the shards")
+    fsdp2.add_argument("--fsdp2", action="store_true", help="plan FSDP2 + CPUAdam instead of the offload optimizer")
+    fsdp2.add_argument("--world-size", metavar="N", type=int, default=1, help="ranks (GPUs) the model is sharded over")
+    fsdp2.add_argument(
+        "--ranks-per-host", metavar="N", type=int, help="ranks sharing one host's RAM (default: all, at most 8)"
+    )
+    fsdp2.add_argument(
+        "--unit-params", metavar="COUNT", help="the largest FSDP2 unit's params (default: a config's largest layer)"
+    )
     args = parser.parse_args(argv)
     if sum(x is not None for x in (args.model, args.params, args.config)) != 1:
         parser.error("give the model once: a count or a config.json path (7e9, --params 1.3B, --config config.json)")
@@ -66,6 +76,21 @@ def main(argv: list[str] | None = None) -> None:
         gpu, gpu_from = _budget(args.gpu_memory, "--gpu-memory", detect_gpu_memory)
         host, host_from = _budget(args.host_memory, "--host-memory", detect_host_memory)
         bandwidth = measure_bandwidth(args.probe_seconds) if args.probe_seconds > 0 else None
+        if args.fsdp2:
+            options = dict(ranks_per_host=args.ranks_per_host, unit_params=args.unit_params, bandwidth=bandwidth)
+            fsdp2_rows = plan_fsdp2(spec, args.world_size, gpu, host, **options)
+    except PlanError as error:
+        parser.error(str(error).removeprefix("cpu_adam.plan: "))
+    sides = [f"GPU: {_side(gpu, gpu_from)}; host RAM: {_side(host, host_from)}"]
+    if bandwidth is not None:
+        sides.append(
+            f"CPU step: an estimate, from {bandwidth / 1e9:.1f} GB/s moved by a {args.probe_seconds:g} s bandwidth "
+            f"probe on this machine ({torch.get_num_threads()} threads)"
+        )
+    if args.fsdp2:
+        print_fsdp2(fsdp2_rows, spec, sides, as_json=args.json)
+        return
+    try:
         rows = plan(
             spec,
             gpu,
@@ -84,12 +109,7 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps([dataclasses.asdict(r) | {"fits": r.fits} for r in rows], indent=1))
         return
     print(f"model: {spec.source}, {spec.params:,} trained params; bucket_size {bucket_size:,}, overlap {args.overlap}")
-    print(f"GPU: {_side(gpu, gpu_from)}; host RAM: {_side(host, host_from)}")
-    if bandwidth is not None:
-        print(
-            f"CPU step: an estimate, from {bandwidth / 1e9:.1f} GB/s moved by a {args.probe_seconds:g} s bandwidth "
-            f"probe on this machine ({torch.get_num_threads()} threads)"
-        )
+    print("\n".join(sides))
     print()
     print(_table(rows))
     print()
@@ -128,27 +148,12 @@ def _table(rows: list[Row]) -> str:
             f"{r.host_bytes_per_param:.2f}",
             f"{r.device_bytes / GIB:,.2f}",
             "?" if r.gpu_left is None else f"{r.gpu_left / GIB:,.2f}",
-            _fits(r),
-            "" if r.step_seconds is None else f"~{_seconds(r.step_seconds)} (estimate)",
+            fits(r),
+            "" if r.step_seconds is None else f"~{seconds(r.step_seconds)} (estimate)",
         ]
         for r in rows
     ]
-    widths = [max(len(x) for x in col) for col in zip(headers, *body)]
-    lines = [[h.ljust(w) for h, w in zip(line, widths)] for line in [headers, *body]]
-    rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    return "\n".join(["| " + " | ".join(lines[0]) + " |", rule, *("| " + " | ".join(x) + " |" for x in lines[1:])])
-
-
-def _fits(r: Row) -> str:
-    if r.fits:
-        return "yes"
-    short = [side for side, ok in (("host", r.host_fits), ("GPU", r.gpu_fits)) if ok is False]
-    unknown = [side for side, ok in (("host", r.host_fits), ("GPU", r.gpu_fits)) if ok is None]
-    return f"no ({' and '.join(short)})" if short else f"? ({' and '.join(unknown)} unknown)"
-
-
-def _seconds(s: float) -> str:
-    return f"{s:.2f} s" if s >= 0.1 else f"{s * 1e3:.1f} ms"
+    return render(headers, body)
 
 
 def _notes(row: Row, exact: bool, inflight: int) -> str:

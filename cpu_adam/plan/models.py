@@ -33,6 +33,9 @@ class ModelSpec:
     frozen: int  # elements of params that are not trained: on the device, not in the optimizer
     source: str  # how the model was read, for the table's header
     count: int | None = None  # a bare count, without shapes (``groups`` is then empty)
+    # Elements of each FSDP2 unit as frameworks wrap a causal LM (each decoder layer; the embedding; the final
+    # norm with the head, and the embedding there too where it is tied; the root's leftovers); () where unknown.
+    units: tuple[int, ...] = ()
 
     @property
     def exact(self) -> bool:
@@ -107,12 +110,29 @@ def from_config(path: str | os.PathLike) -> ModelSpec:
         raise PlanError(f"cpu_adam.plan: {file} holds a JSON {type(config).__name__}, not a config object")
     kind = config.get("model_type") or ("gpt2" if "n_embd" in config else "llama" if "hidden_size" in config else None)
     if kind == "gpt2":
-        shapes = _gpt2(_need(config, _GPT2_KEYS, file, kind), config)
+        shapes, layers = _gpt2(_need(config, _GPT2_KEYS, file, kind), config), config["n_layer"]
+        tied = config.get("tie_word_embeddings", True)
     elif kind in LLAMA_LIKE:
         shapes = _llama(_need(config, _LLAMA_KEYS, file, kind), config, LLAMA_LIKE[kind], file)
+        layers, tied = config["num_hidden_layers"], config.get("tie_word_embeddings", False)
     else:
         return _from_transformers(file, kind)
-    return ModelSpec([shapes], 0, f"{file.name} ({kind})")
+    return ModelSpec([shapes], 0, f"{file.name} ({kind})", units=_units(shapes, layers, kind == "gpt2", tied))
+
+
+def _units(shapes: list[Shape], layers: int, positions: bool, tied: bool) -> tuple[int, ...]:
+    """The FSDP2 units of the shapes ``_gpt2`` / ``_llama`` list: [embedding, (position embedding,) layers...,
+    final norm (and head)]. A tied embedding joins the final norm's unit (its weight is the head's)."""
+    sizes = [math.prod(s) for s in shapes]
+    first = 2 if positions else 1  # where the layers start
+    tail_start = len(shapes) - (2 if positions else 1) - (0 if tied else 1)  # the final norm (GPT-2's has a bias)
+    block = (tail_start - first) // layers
+    per_layer = [sum(sizes[first + i * block : first + (i + 1) * block]) for i in range(layers)]
+    tail = sum(sizes[tail_start:])
+    root = [sizes[1]] if positions else []  # the position embedding stays with the root
+    if tied:
+        return (*per_layer, sizes[0] + tail, *root)
+    return (sizes[0], *per_layer, tail, *root)
 
 
 def _need(config: dict[str, Any], keys: tuple[str, ...], file: Path, kind: str) -> list[int]:

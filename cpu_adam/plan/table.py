@@ -117,8 +117,8 @@ def plan(
     except ValueError as error:
         raise PlanError(f"cpu_adam.plan: {error}") from None
     spec = model_spec(model)
-    gpu = _budget(gpu_memory, "gpu_memory", detect_gpu_memory)
-    host = _budget(host_memory, "host_memory", detect_host_memory)
+    gpu = budget(gpu_memory, "gpu_memory", detect_gpu_memory)
+    host = budget(host_memory, "host_memory", detect_host_memory)
     if bandwidth is None and probe_seconds > 0:
         bandwidth = measure_bandwidth(probe_seconds)
     groups = _layouts(spec, bucket_size)
@@ -216,7 +216,8 @@ def _host_bytes(
     )
 
 
-def _budget(value: int | str | None, what: str, detect) -> int | None:
+def budget(value: int | str | None, what: str, detect) -> int | None:
+    """Bytes given (a size as people write it), else what ``detect`` finds (None where it finds nothing)."""
     if value is not None:
         return parse_bytes(value, what)
     found = detect()

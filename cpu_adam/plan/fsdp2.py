@@ -1,0 +1,173 @@
+"""The plan for FSDP2 with ``CPUOffloadPolicy`` and ``CPUAdam`` stepping the shards: host RAM per rank and per
+host, GPU memory per unit, and the CPU step's estimated time.
+
+Host bytes are each rank's shards as FSDP2 lays them out (every param cut along its first dim into
+``ceil(rows / world_size)``-row chunks; rank 0 holds the largest), in the shards' dtype, for the
+weights and for the grads that FSDP2 moves down into host RAM, plus CPUAdam's two moments (8-bit:
+codes and a float32 scale per 256-element block of each shard). The GPU holds, per unit, its
+weights all-gathered in the compute dtype, the next unit's gathered ahead (FSDP2's prefetch) and,
+in backward, the unit's unsharded grads in the reduce dtype with their reduce-scattered shard:
+an estimate from the largest unit, activations not included.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .._precision import STATE_PRECISIONS, state_dtype
+from ..quant8 import BLOCK
+from .models import ModelLike, ModelSpec, model_spec
+from .probe import DEFAULT_PROBE_SECONDS, measure_bandwidth, pace_factor
+from .sizes import PlanError, detect_gpu_memory, detect_host_memory, parse_count
+from .table import budget
+
+__all__ = ["SHARD_DTYPES", "FSDP2Row", "fsdp2_step_bytes_per_param", "plan_fsdp2"]
+
+SHARD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+SCALE_BYTES = 2 * torch.float32.itemsize  # per 256-element block: one scale per moment
+
+
+@dataclass(frozen=True)
+class FSDP2Row:
+    """One configuration: the shards' dtype (bf16 shards are stepped with stochastic rounding) and the moments."""
+
+    shard_dtype: str  # "fp32" or "bf16"
+    state_precision: str  # "fp32", "bf16" or "8bit"
+    world_size: int
+    ranks_per_host: int
+    params: int  # trained elements of the whole model
+    rank_params: int  # elements of rank 0's shards (the largest), padding included
+    weight_bytes: int  # per rank: the sharded weights
+    grad_bytes: int  # per rank: the sharded grads, in the shards' dtype
+    state_bytes: int  # per rank: both moments (8-bit: with their block scales)
+    unit_params: int | None  # elements of the largest unit (None: unknown)
+    gpu_bytes: int | None  # the per-unit estimate of the GPU's peak, activations not included
+    host_memory: int | None  # the budgets the row was judged against (None: unknown)
+    gpu_memory: int | None
+    step_bytes_per_param: float
+    step_seconds: float | None  # every rank of a host stepping at once, sharing its memory bandwidth
+
+    @property
+    def rank_bytes(self) -> int:
+        return self.weight_bytes + self.grad_bytes + self.state_bytes
+
+    @property
+    def host_bytes(self) -> int:
+        """The ranks of one host together."""
+        return self.rank_bytes * self.ranks_per_host
+
+    @property
+    def host_bytes_per_param(self) -> float:
+        return self.rank_bytes / self.rank_params
+
+    @property
+    def host_fits(self) -> bool | None:
+        return None if self.host_memory is None else self.host_bytes <= self.host_memory
+
+    @property
+    def gpu_fits(self) -> bool | None:
+        return None if self.gpu_memory is None or self.gpu_bytes is None else self.gpu_bytes <= self.gpu_memory
+
+    @property
+    def gpu_left(self) -> int | None:
+        return None if self.gpu_memory is None or self.gpu_bytes is None else self.gpu_memory - self.gpu_bytes
+
+    @property
+    def fits(self) -> bool | None:
+        sides = (self.host_fits, self.gpu_fits)
+        return False if False in sides else None if None in sides else True
+
+
+def fsdp2_step_bytes_per_param(shard_dtype: str, precision: str) -> float:
+    """What CPUAdam's step over a shard moves per param: the weight and both moments read and written (8-bit: with
+    their block scales), the grad read. No bf16 copy: the shard is the weight FSDP2 gathers."""
+    shard = SHARD_DTYPES[shard_dtype].itemsize
+    scales = 2 * SCALE_BYTES / BLOCK if state_dtype(precision) == torch.uint8 else 0.0
+    return 2 * shard + shard + 2 * 2 * state_dtype(precision).itemsize + scales
+
+
+def plan_fsdp2(
+    model: ModelLike,
+    world_size: int,
+    gpu_memory: int | str | None = None,
+    host_memory: int | str | None = None,
+    *,
+    ranks_per_host: int | None = None,
+    unit_params: int | str | None = None,
+    compute_dtype: torch.dtype = torch.bfloat16,
+    reduce_dtype: torch.dtype = torch.float32,
+    probe_seconds: float = DEFAULT_PROBE_SECONDS,
+    bandwidth: float | None = None,
+) -> list[FSDP2Row]:
+    """One ``FSDP2Row`` per shard dtype and moment precision, for ``model`` sharded over ``world_size`` ranks.
+
+    ``ranks_per_host``: the ranks sharing one host's RAM and memory bandwidth (default: all of them, at most 8).
+    ``unit_params``: the largest FSDP2 unit's elements (default: from a config.json's layers and embeddings;
+    unknown for a bare count). ``compute_dtype`` / ``reduce_dtype``: ``MixedPrecisionPolicy``'s ``param_dtype``
+    and ``reduce_dtype`` (torchtitan's defaults). ``host_memory`` is one host's, ``gpu_memory`` one GPU's.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise PlanError(f"cpu_adam.plan: the world size must be a whole number of ranks >= 1, got {world_size!r}")
+    ranks_per_host = min(world_size, 8) if ranks_per_host is None else ranks_per_host
+    if isinstance(ranks_per_host, bool) or not isinstance(ranks_per_host, int) or not ranks_per_host >= 1:
+        raise PlanError(f"cpu_adam.plan: ranks per host must be a whole number >= 1, got {ranks_per_host!r}")
+    ranks_per_host = min(ranks_per_host, world_size)
+    spec = model_spec(model)
+    shards = _shard_numels(spec, world_size)
+    unit = parse_count(unit_params, "unit_params") if unit_params is not None else max(spec.units, default=None)
+    gpu = budget(gpu_memory, "gpu_memory", detect_gpu_memory)
+    host = budget(host_memory, "host_memory", detect_host_memory)
+    if bandwidth is None and probe_seconds > 0:
+        bandwidth = measure_bandwidth(probe_seconds)
+    rank_params = sum(shards)
+    rows = []
+    for shard_name, shard_dtype in SHARD_DTYPES.items():
+        for precision in STATE_PRECISIONS:
+            moments = 2 * rank_params * state_dtype(precision).itemsize
+            if state_dtype(precision) == torch.uint8:
+                moments += sum(math.ceil(n / BLOCK) for n in shards) * SCALE_BYTES
+            moved = fsdp2_step_bytes_per_param(shard_name, precision)
+            seconds = None
+            if bandwidth is not None:
+                seconds = moved * rank_params * ranks_per_host / bandwidth * pace_factor(precision, shard_dtype)
+            rows.append(
+                FSDP2Row(
+                    shard_name,
+                    precision,
+                    world_size,
+                    ranks_per_host,
+                    spec.params,
+                    rank_params,
+                    rank_params * shard_dtype.itemsize,
+                    rank_params * shard_dtype.itemsize,
+                    moments,
+                    unit,
+                    None if unit is None else _unit_gpu_bytes(unit, world_size, compute_dtype, reduce_dtype),
+                    host,
+                    gpu,
+                    moved,
+                    seconds,
+                )
+            )
+    return rows
+
+
+def _shard_numels(spec: ModelSpec, world_size: int) -> list[int]:
+    """Elements of rank 0's shard of each param: ``ceil(rows / world_size)`` rows (a count: one flat param)."""
+    if spec.count is not None:
+        return [math.ceil(spec.count / world_size)]
+    return [_rank0_numel(shape, world_size) for group in spec.groups for shape in group]
+
+
+def _rank0_numel(shape: Sequence[int], world_size: int) -> int:
+    return math.ceil(shape[0] / world_size) * math.prod(shape[1:]) if shape else 1
+
+
+def _unit_gpu_bytes(unit: int, world_size: int, compute: torch.dtype, reduce: torch.dtype) -> int:
+    """The unit's gathered weights and the next unit's (prefetched, taken as large), its unsharded grads and
+    their reduce-scattered shard."""
+    return 2 * unit * compute.itemsize + unit * reduce.itemsize + math.ceil(unit / world_size) * reduce.itemsize
