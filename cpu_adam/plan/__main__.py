@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> None:
         bandwidth = measure_bandwidth(args.probe_seconds) if args.probe_seconds > 0 else None
         if args.fsdp2:
             options = dict(ranks_per_host=args.ranks_per_host, unit_params=args.unit_params, bandwidth=bandwidth)
+            options["probe_seconds"] = 0  # probed above, or not at all
             fsdp2_rows = plan_fsdp2(spec, args.world_size, gpu, host, **options)
     except PlanError as error:
         parser.error(str(error).removeprefix("cpu_adam.plan: "))

@@ -2,9 +2,10 @@
 host, GPU memory per unit, and the CPU step's estimated time.
 
 Host bytes are each rank's shards as FSDP2 lays them out (every param cut along its first dim into
-``ceil(rows / world_size)``-row chunks; rank 0 holds the largest), in the shards' dtype, for the
-weights and for the grads that FSDP2 moves down into host RAM, plus CPUAdam's two moments (8-bit:
-codes and a float32 scale per 256-element block of each shard). The GPU holds, per unit, its
+``ceil(rows / world_size)``-row chunks), in the shards' dtype, for the weights and for the grads
+that FSDP2 moves down into host RAM, plus CPUAdam's two moments (8-bit: codes and a float32 scale
+per block of the whole param that the shard touches, as ``cpu_adam.shards`` lays them out); the
+rank holding the most. The GPU holds, per unit, its
 weights all-gathered in the compute dtype, the next unit's gathered ahead (FSDP2's prefetch) and,
 in backward, the unit's unsharded grads in the reduce dtype with their reduce-scattered shard:
 an estimate from the largest unit, activations not included.
@@ -13,13 +14,13 @@ an estimate from the largest unit, activations not included.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from .._precision import STATE_PRECISIONS, state_dtype
 from ..quant8 import BLOCK
+from ..shards import local_blocks
 from .models import ModelLike, ModelSpec, model_spec
 from .probe import DEFAULT_PROBE_SECONDS, measure_bandwidth, pace_factor
 from .sizes import PlanError, detect_gpu_memory, detect_host_memory, parse_count
@@ -40,7 +41,7 @@ class FSDP2Row:
     world_size: int
     ranks_per_host: int
     params: int  # trained elements of the whole model
-    rank_params: int  # elements of rank 0's shards (the largest), padding included
+    rank_params: int  # elements of the shards of the rank holding the most bytes
     weight_bytes: int  # per rank: the sharded weights
     grad_bytes: int  # per rank: the sharded grads, in the shards' dtype
     state_bytes: int  # per rank: both moments (8-bit: with their block scales)
@@ -117,23 +118,25 @@ def plan_fsdp2(
         raise PlanError(f"cpu_adam.plan: ranks per host must be a whole number >= 1, got {ranks_per_host!r}")
     ranks_per_host = min(ranks_per_host, world_size)
     spec = model_spec(model)
-    shards = _shard_numels(spec, world_size)
+    ranks = _rank_shards(spec, world_size)
     unit = parse_count(unit_params, "unit_params") if unit_params is not None else max(spec.units, default=None)
     gpu = budget(gpu_memory, "gpu_memory", detect_gpu_memory)
     host = budget(host_memory, "host_memory", detect_host_memory)
     if bandwidth is None and probe_seconds > 0:
         bandwidth = measure_bandwidth(probe_seconds)
-    rank_params = sum(shards)
     rows = []
     for shard_name, shard_dtype in SHARD_DTYPES.items():
         for precision in STATE_PRECISIONS:
-            moments = 2 * rank_params * state_dtype(precision).itemsize
-            if state_dtype(precision) == torch.uint8:
-                moments += sum(math.ceil(n / BLOCK) for n in shards) * SCALE_BYTES
+            scales = SCALE_BYTES if state_dtype(precision) == torch.uint8 else 0
+            per_rank = [
+                (n * (2 * shard_dtype.itemsize + 2 * state_dtype(precision).itemsize) + b * scales, n, b)
+                for n, b in ranks
+            ]
+            _, elements, blocks = max(per_rank)
             moved = fsdp2_step_bytes_per_param(shard_name, precision)
             seconds = None
             if bandwidth is not None:
-                seconds = moved * rank_params * ranks_per_host / bandwidth * pace_factor(precision, shard_dtype)
+                seconds = moved * elements * ranks_per_host / bandwidth * pace_factor(precision, shard_dtype)
             rows.append(
                 FSDP2Row(
                     shard_name,
@@ -141,10 +144,10 @@ def plan_fsdp2(
                     world_size,
                     ranks_per_host,
                     spec.params,
-                    rank_params,
-                    rank_params * shard_dtype.itemsize,
-                    rank_params * shard_dtype.itemsize,
-                    moments,
+                    elements,
+                    elements * shard_dtype.itemsize,
+                    elements * shard_dtype.itemsize,
+                    2 * elements * state_dtype(precision).itemsize + blocks * scales,
                     unit,
                     None if unit is None else _unit_gpu_bytes(unit, world_size, compute_dtype, reduce_dtype),
                     host,
@@ -156,15 +159,21 @@ def plan_fsdp2(
     return rows
 
 
-def _shard_numels(spec: ModelSpec, world_size: int) -> list[int]:
-    """Elements of rank 0's shard of each param: ``ceil(rows / world_size)`` rows (a count: one flat param)."""
-    if spec.count is not None:
-        return [math.ceil(spec.count / world_size)]
-    return [_rank0_numel(shape, world_size) for group in spec.groups for shape in group]
-
-
-def _rank0_numel(shape: Sequence[int], world_size: int) -> int:
-    return math.ceil(shape[0] / world_size) * math.prod(shape[1:]) if shape else 1
+def _rank_shards(spec: ModelSpec, world_size: int) -> list[tuple[int, int]]:
+    """(elements, 8-bit scale blocks) of each rank's shards: FSDP2's ``ceil(rows / world_size)``-row chunks of
+    each param (a bare count: one flat param), the blocks as ``cpu_adam.shards`` lays them out."""
+    shapes = [(spec.count,)] if spec.count is not None else [s or (1,) for g in spec.groups for s in g]
+    ranks = []
+    for rank in range(world_size):
+        elements = blocks = 0
+        for shape in shapes:
+            row = math.prod(shape[1:])
+            chunk = math.ceil(shape[0] / world_size)
+            rows = max(0, min(chunk, shape[0] - rank * chunk))
+            elements += rows * row
+            blocks += local_blocks(rows * row, rank * chunk * row) if rows else 0
+        ranks.append((elements, blocks))
+    return ranks
 
 
 def _unit_gpu_bytes(unit: int, world_size: int, compute: torch.dtype, reduce: torch.dtype) -> int:
