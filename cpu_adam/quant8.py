@@ -32,7 +32,7 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["BLOCK", "blocks", "decode", "dequantize_moments", "encode", "quantize_moments"]
+__all__ = ["BLOCK", "blocks", "decode", "dequantize_moments", "encode", "quantize_moments", "root_of"]
 
 BLOCK = 256
 _AVG_MANTISSA = 3
@@ -132,9 +132,18 @@ def decode(codes: Tensor, scale: Tensor, *, root: bool) -> Tensor:
 _CHUNK = BLOCK << 12
 
 
+def root_of(exp_avg_sq: Tensor) -> Tensor:
+    """sqrt(v) of float32 ``exp_avg_sq``, correctly rounded to float32, as the kernel's square root rounds.
+
+    torch's float32 sqrt on the CPU is not correctly rounded (1 ulp off for 17% of inputs with torch 2.13), so
+    converted states would differ between machines. The float64 root of a float32 rounded once to float32 is
+    (float64 holds more than 2 * 24 + 2 bits, so rounding twice gives the one rounding of the exact root)."""
+    return exp_avg_sq.to(torch.float32).to(torch.float64).sqrt().to(torch.float32)
+
+
 def quantize_moments(exp_avg: Tensor, exp_avg_sq: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """(exp_avg codes, exp_avg_sq codes, scales): codes uint8 shaped like the moments, scales
-    float32 [2, blocks]. The root of exp_avg_sq is taken in float32, as the kernel does."""
+    float32 [2, blocks]. The root of exp_avg_sq is taken in float32 (``root_of``), as the kernel does."""
     avg, sq = exp_avg.detach().reshape(-1), exp_avg_sq.detach().reshape(-1)
     n, shape = avg.numel(), exp_avg.shape
     avg_codes, root_codes = torch.empty(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8)
@@ -143,7 +152,7 @@ def quantize_moments(exp_avg: Tensor, exp_avg_sq: Tensor) -> tuple[Tensor, Tenso
         hi = min(lo + _CHUNK, n)
         codes, scale = encode(avg[lo:hi], root=False)
         avg_codes[lo:hi], scales[0, lo // BLOCK : blocks(hi)] = codes[: hi - lo], scale
-        codes, scale = encode(sq[lo:hi].to(torch.float32).sqrt(), root=True)
+        codes, scale = encode(root_of(sq[lo:hi]), root=True)
         root_codes[lo:hi], scales[1, lo // BLOCK : blocks(hi)] = codes[: hi - lo], scale
     return avg_codes.reshape(shape), root_codes.reshape(shape), scales
 
