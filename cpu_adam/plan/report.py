@@ -89,7 +89,7 @@ def _fsdp2_notes(row: FSDP2Row) -> str:
     )
     notes = [
         f"rank: its shards of the weights and of the grads (FSDP2 moves them down in the shards' dtype), and "
-        f"CPUAdam's two moments (8-bit: codes and a float32 scale per {BLOCK}); rank 0's, the largest, padding "
+        f"CPUAdam's two moments (8-bit: codes and a float32 scale per {BLOCK}); the rank holding the most, padding "
         f"included. host: the {row.ranks_per_host} ranks of one host (--ranks-per-host). Pinned memory "
         "(CPUOffloadPolicy's default) is host RAM too; leave room for the rest of each process.",
         f"GPU per unit: {unit} gathered in bf16 with the next one (prefetched), its unsharded grads in fp32 "
