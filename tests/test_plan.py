@@ -478,6 +478,9 @@ def test_the_fsdp2_units_are_a_config_models_layers(tmp_path: Path):
         layers = config.get("n_layer") or config["num_hidden_layers"]
         assert sum(spec.units) == spec.params, name
         assert len(set(spec.units[-layers - 2 :])) > 1 and spec.units.count(spec.units[-3]) >= layers - 1, name
+
+
+def test_the_fsdp2_units_are_transformers_layers(tmp_path: Path):
     path = write_config(tmp_path, CONFIGS["llama untied"])
     model = transformers_model(path)  # skips without transformers
     d, vocab = LLAMA["hidden_size"], LLAMA["vocab_size"]
