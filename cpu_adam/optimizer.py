@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -10,9 +11,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import ops, shards
+from . import ops, shard_state, shards
 from ._compiled_step import GroupStep, adam_step_groups
-from ._precision import MOMENTS, SCALES, check_saved_moments, converted_moments, resolved_precision, state_dtype
+from ._precision import (
+    MOMENTS,
+    SCALES,
+    STATE_PRECISIONS,
+    check_saved_moments,
+    converted_moments,
+    resolved_precision,
+    state_dtype,
+)
 from ._turn import Turn, one_at_a_time
 from ._validation import check_hyper_parameters, check_param_group, check_step_count, checked_seed
 from .grad_norm import check_max_grad_norm, clip_factor, total_norm
@@ -183,10 +192,24 @@ class CPUAdam(torch.optim.Optimizer):
                 loss = closure()
         for index, group in enumerate(self.param_groups):  # all before any is stepped: a refused step changes nothing
             _check_group(f"CPUAdam param group {index}", group)
+        if self._only_creates_state():
+            for group in self.param_groups:
+                self._init_group(group, [], [], [], [], [], [], [])
+            return loss
         clip = self._clip_factor()
         groups = [self._group_step(index, group, clip) for index, group in enumerate(self.param_groups)]
         adam_step_groups("CPUAdam", groups)
         return loss
+
+    def _only_creates_state(self) -> bool:
+        """A first step with lr 0 and all-zero grads, torch.distributed.checkpoint's way to create an
+        optimizer's state before it loads one (``_init_optim_state``): it creates the state and counts no
+        step, so that it changes nothing (torch's AdamW counts it: its first real step is its second)."""
+        if self.state or torch.compiler.is_compiling():
+            return False
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        lrs_zero = all(float(g["lr"]) == 0.0 for g in self.param_groups)
+        return bool(grads) and lrs_zero and not any(bool(_local(g).any()) for g in grads)
 
     def _clip_factor(self) -> float:
         """What the grads are multiplied by in the step: clip_grad_norm_'s factor with ``max_grad_norm``, else 1."""
@@ -208,16 +231,16 @@ class CPUAdam(torch.optim.Optimizer):
         eight_bit = group["state_precision"] == "8bit"
         # Random bits (bf16 param stores, 8-bit codes): each param at its place in the group's counter
         # space, grad or not, and each element of a DTensor shard at its place in the whole param.
-        places = ops.back_to_back(group["params"], ops.group_counter_base(index))
         rounded = group["stochastic_rounding"]
         random_bits = [eight_bit or (rounded and p.dtype == torch.bfloat16) for p in group["params"]]
+        places = ops.back_to_back(group["params"], ops.group_counter_base(index)) if any(random_bits) else None
         params, grads, exp_avgs, exp_avg_sqs, steps, scales, offsets, write_backs = ([] for _ in range(8))
         for n, i in enumerate(indices):
             p = group["params"][i]
             parts = shards.pieces(
                 *(each[n] for each in tensors[:4]),
                 tensors[5][n] if eight_bit else None,
-                counter=places[i],
+                counter=places[i] if places else 0,
                 start=self._shard_start(p),
                 random_bits=random_bits[i],
             )
@@ -298,6 +321,23 @@ class CPUAdam(torch.optim.Optimizer):
                 state_scales.append(state[SCALES])
             indices.append(i)
 
+    def state_dict(self) -> dict[str, Any]:
+        """torch's state dict, but for 8-bit moments of DTensor params: their block scales as each
+        element's exponents (``shard_state.EXPONENTS``), int8 DTensors sharded like the param, so that
+        torch.distributed.checkpoint reshards them with the codes."""
+        saved = super().state_dict()
+        params = [p for g in self.param_groups for p in g["params"]]  # torch's state dict indexes them so
+        for index, p in enumerate(params):
+            state = self.state.get(p)
+            if not state or SCALES not in state or not shards.is_dtensor(state["exp_avg"]):
+                continue
+            exponents = shard_state.exponents_of(state[SCALES], _local(p).numel(), self._shard_start(p))
+            entry = {k: v for k, v in saved["state"][index].items() if k != SCALES}
+            for name, each in zip(shard_state.EXPONENTS, exponents):
+                entry[name] = _shaped_like(p, each)
+            saved["state"][index] = entry
+        return saved
+
     @one_at_a_time(_busy)
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads this optimizer's or torch Adam/AdamW's state dict.
@@ -322,13 +362,18 @@ class CPUAdam(torch.optim.Optimizer):
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         per_param = {i: s for i, s in state_dict["state"].items() if isinstance(s, dict)}
-        moment_keys = (*MOMENTS, SCALES)
+        moment_keys = (*MOMENTS, SCALES, *shard_state.EXPONENTS)
         moments = {i: {k: v for k, v in s.items() if k in moment_keys} for i, s in per_param.items() if i in saved_ids}
-        for saved_id, p in zip(saved_ids, params):  # all checked before anything changes
-            local = {k: _local(v) for k, v in moments.get(saved_id, {}).items()}
-            check_saved_moments(
-                f"CPUAdam.load_state_dict: the state of param {saved_id}", local, tuple(_local(p).shape)
-            )
+        dtype_of = {id(p): state_dtype(g["state_precision"]) for g in self.param_groups for p in g["params"]}
+        saved_precision = {i: g.get("state_precision") for g in state_dict["param_groups"] for i in g["params"]}
+        loaded = {}
+        for saved_id, p in zip(saved_ids, params):  # all checked and converted before anything changes
+            saved = moments.get(saved_id, {})
+            where = f"CPUAdam.load_state_dict: the state of param {saved_id}"
+            _check_precision(where, saved, saved_precision.get(saved_id))
+            self._check_saved(where, {k: _local(v) for k, v in saved.items()}, p)
+            if saved:
+                loaded[id(p)] = self._converted(saved, p, dtype_of[id(p)])
         # Steps are cloned: torch's load keeps the saved step tensors, which a live
         # optimizer that produced them would go on incrementing in place.
         without_moments = {
@@ -349,13 +394,62 @@ class CPUAdam(torch.optim.Optimizer):
         for group, (fp32, precision) in zip(self.param_groups, keep_precisions):
             group["fp32_optimizer_states"] = fp32
             group["state_precision"] = precision
-        dtype_of = {id(p): state_dtype(g["state_precision"]) for g in self.param_groups for p in g["params"]}
-        for saved_id, p in zip(saved_ids, params):
-            saved = moments.get(saved_id, {})
-            if saved:
-                self.state[p].update(converted_moments(saved, dtype_of[id(p)], p.device))
+        for p in params:
+            if id(p) in loaded:
+                self.state[p].update(loaded[id(p)])
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+    def _check_saved(self, where: str, saved: dict[str, Tensor], p: Tensor) -> None:
+        """Refuses saved moments (local tensors) that do not fit ``p``'s shard or hold no usable numbers."""
+        shape = tuple(_local(p).shape)
+        if not any(name in saved for name in shard_state.EXPONENTS):
+            if SCALES in saved and shards.head_size(math.prod(shape), self._shard_start(p), eight_bit=True):
+                raise ValueError(
+                    f"{where}: 8-bit moments with state_scales in blocks of the local tensor, but this shard "
+                    "starts inside a block of its whole param; save them with CPUAdam.state_dict() (through "
+                    "torch.distributed.checkpoint's get_state_dict), which gives each element's scale"
+                )
+            check_saved_moments(where, saved, shape)
+            return
+        shard_state.check_exponents(where, saved, shape)
+        for name in MOMENTS:
+            t = saved.get(name)
+            if not isinstance(t, Tensor) or t.dtype != torch.uint8 or tuple(t.shape) != shape:
+                got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
+                raise ValueError(f"{where}: {name} is {got} beside block exponents; 8-bit codes are uint8 {shape}")
+
+    def _converted(self, saved: dict[str, Tensor], p: Tensor, dtype: torch.dtype) -> dict[str, Tensor]:
+        """Saved moments as this optimizer keeps them for ``p``: DTensors like it for a DTensor param."""
+        if not shards.is_dtensor(p) and not any(name in saved for name in shard_state.EXPONENTS):
+            return converted_moments(saved, dtype, p.device)
+        local = {k: _local(v) for k, v in saved.items()}
+        moments = shard_state.loaded_moments(local, dtype, self._shard_start(p))
+        return {k: _shaped_like(p, v) if k in MOMENTS else v for k, v in moments.items()}
+
+
+def _check_precision(where: str, saved: dict[str, Tensor], precision: str | None) -> None:
+    """Refuses moments whose dtype is not the precision their group was saved with: cast after saving, as
+    torch.distributed.checkpoint casts a checkpoint into a state dict of another precision."""
+    if precision is None or "exp_avg" not in saved or precision not in STATE_PRECISIONS:
+        return
+    dtype = saved["exp_avg"].dtype
+    if dtype != state_dtype(precision):
+        raise ValueError(
+            f"{where}: its group was saved with state_precision={precision!r}, but the moments are {dtype}: they "
+            "were cast after saving (torch.distributed.checkpoint loads a checkpoint into the state dict of an "
+            f"optimizer of another precision so). Build the optimizer with state_precision={precision!r} to resume "
+            "this checkpoint, then convert by loading its state_dict() into one of the precision you want"
+        )
+
+
+def _shaped_like(p: Tensor, local: Tensor) -> Tensor:
+    """``local`` (a shard's values, any shape of its size) as a tensor like ``p``: a DTensor sharded as it is."""
+    if not shards.is_dtensor(p):
+        return local.reshape(p.shape)
+    shaped = torch.empty_like(p, dtype=local.dtype)
+    shaped.to_local().copy_(local.reshape(shaped.to_local().shape))
+    return shaped
 
 
 def _check_group(owner: str, group: dict[str, Any]) -> None:

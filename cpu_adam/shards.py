@@ -27,7 +27,17 @@ from torch import Tensor
 
 from .quant8 import BLOCK
 
-__all__ = ["Piece", "is_dtensor", "local", "local_blocks", "pieces", "shard_start"]
+__all__ = [
+    "Piece",
+    "block_sizes",
+    "element_scales",
+    "head_size",
+    "is_dtensor",
+    "local",
+    "local_blocks",
+    "pieces",
+    "shard_start",
+]
 
 
 def is_dtensor(t: Tensor) -> bool:
@@ -63,7 +73,7 @@ def shard_start(p: Tensor) -> int:
     return int(offset[0]) * math.prod(p.shape[1:]) if offset else 0
 
 
-def _head_size(numel: int, start: int, eight_bit: bool) -> int:
+def head_size(numel: int, start: int, eight_bit: bool) -> int:
     """How many of a shard's first elements are stepped apart: those before the whole param's next
     block boundary (8-bit moments), or the first one if it sits at an odd counter."""
     return min(numel, -start % BLOCK if eight_bit else start % 2)
@@ -72,7 +82,7 @@ def _head_size(numel: int, start: int, eight_bit: bool) -> int:
 def local_blocks(numel: int, start: int) -> int:
     """How many 8-bit scale blocks a shard of ``numel`` elements from ``start`` has: the part of a
     block it starts in (if any), then whole blocks of the whole param, the last one maybe cut."""
-    head = _head_size(numel, start, eight_bit=True)
+    head = head_size(numel, start, eight_bit=True)
     return int(head > 0) + -(-(numel - head) // BLOCK)
 
 
@@ -107,7 +117,7 @@ def pieces(
     if not random_bits or numel == 0:  # no bits drawn: any even counter will do
         return [Piece(param, grad, exp_avg, exp_avg_sq, scales, counter)]
     whole = Piece(param, grad, exp_avg, exp_avg_sq, scales, counter + start)
-    head = _head_size(numel, start, scales is not None)
+    head = head_size(numel, start, scales is not None)
     if head == 0:
         return [whole]
     flat = [t.view(-1) for t in (param, grad, exp_avg, exp_avg_sq)]
@@ -126,7 +136,7 @@ def pieces(
 
 def block_sizes(numel: int, start: int) -> list[int]:
     """How many of the shard's elements each of its 8-bit scale blocks holds (``local_blocks`` of them)."""
-    head = _head_size(numel, start, eight_bit=True)
+    head = head_size(numel, start, eight_bit=True)
     body = [min(BLOCK, numel - lo) for lo in range(head, numel, BLOCK)]
     return ([head] if head else []) + body
 

@@ -113,7 +113,49 @@ def _accumulates(rank: int, world_size: int) -> None:
             assert_bitwise(p.full_tensor(), q.detach(), f"rank {rank}, sync every micro-batch {every_micro_batch}")
 
 
+def _moves(rank: int, world_size: int) -> None:
+    """What docs/cpu_adam.md says FSDP2 moves per step: the dtypes of the all-gathers (two a step) and
+    of the reduce-scatter, by MixedPrecisionPolicy, and the grads' dtype on the host, which CPUAdam steps."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    bf16, fp32 = torch.bfloat16, torch.float32
+    expected = [  # shards, policy, all-gather, reduce-scatter, host grads
+        (fp32, None, fp32, fp32, fp32),
+        (fp32, MixedPrecisionPolicy(param_dtype=bf16), bf16, bf16, fp32),
+        (fp32, MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), bf16, fp32, fp32),
+        (bf16, None, bf16, bf16, bf16),
+        (bf16, MixedPrecisionPolicy(reduce_dtype=fp32), bf16, fp32, bf16),
+    ]
+    seen: list[tuple[str, torch.dtype]] = []
+    gather, scatter = dist.all_gather_single, dist.reduce_scatter_single
+
+    def logged_gather(output, input, *args, **kwargs):  # torch passes them by these names
+        seen.append(("gather", input.dtype))
+        return gather(output, input, *args, **kwargs)
+
+    def logged_scatter(output, input, *args, **kwargs):
+        seen.append(("scatter", input.dtype))
+        return scatter(output, input, *args, **kwargs)
+
+    dist.all_gather_single, dist.reduce_scatter_single = logged_gather, logged_scatter
+    try:
+        for dtype, policy, gathered, reduced, host in expected:
+            model = sharded_model(dtype, mp_policy=policy)
+            optimizer = CPUAdam(model.parameters(), **HYPER, stochastic_rounding=True)
+            seen.clear()
+            x, y = batch(0, rank, dtype)
+            nn.functional.mse_loss(model(x), y).backward()
+            assert sorted(set(seen)) == [("gather", gathered), ("scatter", reduced)], (dtype, policy, seen)
+            assert [kind for kind, _ in seen].count("gather") == 2 * 3, "a gather per unit before forward and backward"
+            assert all(p.grad.to_local().dtype == host for p in model.parameters()), (dtype, policy)
+            optimizer.step()
+    finally:
+        dist.all_gather_single, dist.reduce_scatter_single = gather, scatter
+
+
 def _clipping_and_accumulation(rank: int, world_size: int) -> None:
+    _moves(rank, world_size)
     _clips_on_shards(rank, world_size)
     _accumulates(rank, world_size)
 

@@ -46,16 +46,17 @@ def plain_model(dtype: torch.dtype) -> nn.Module:
     return nn.Sequential(*layers).to(dtype)
 
 
-def sharded_model(dtype: torch.dtype) -> nn.Module:
+def sharded_model(dtype: torch.dtype, **options: object) -> nn.Module:
+    """``plain_model`` with each Linear and the whole sharded by FSDP2 on the CPU (``options``: fully_shard's)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     model = plain_model(dtype)
     mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
-    policy = CPUOffloadPolicy(pin_memory=False)
+    options = {k: v for k, v in options.items() if v is not None}
     for layer in model[::2]:
-        fully_shard(layer, mesh=mesh, offload_policy=policy)
-    fully_shard(model, mesh=mesh, offload_policy=policy)
+        fully_shard(layer, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False), **options)
+    fully_shard(model, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False), **options)
     return model
 
 
