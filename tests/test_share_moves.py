@@ -43,11 +43,12 @@ READS = {
 def _weights_each_step(
     shares: list[float], device: str, read: str, overlap: str, **options: Any
 ) -> list[list[torch.Tensor]]:
-    model = make_model(0)
-    with _device(device):
+    on = "cuda" if device == "cuda" else "cpu"
+    model = make_model(0, on)
+    with _device("cpu" if device == "cuda" else device):
         opt = OffloadOptimizer(model.parameters(), lr=1e-3, bucket_size=1024, overlap=overlap, **options)
     seen = []
-    for share, tokens in zip(shares, batches(len(shares))):
+    for share, tokens in zip(shares, batches(len(shares), device=on)):
         opt.device_fraction = share
         lm_loss(model, tokens).backward()
         READS[read](opt)
@@ -90,3 +91,10 @@ def test_every_precision_device_and_read_with_a_moving_share_gives_the_all_host_
     precision: str, device: str, read: str, budget: int | None
 ):
     _check_moving_share(precision, device, read, budget)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("budget", [None, 0], ids=["resident", "streamed"])
+@pytest.mark.parametrize(("precision", "read"), zip(PRECISIONS, ["nothing", "master_weights", "state_dict", "nothing"]))
+def test_on_cuda_a_moving_share_under_overlap_gives_the_all_host_weights(precision: str, read: str, budget: int | None):
+    _check_moving_share(precision, "cuda", read, budget)
