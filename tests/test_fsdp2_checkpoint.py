@@ -141,6 +141,23 @@ def _refuses(rank: int, directory: str) -> None:
         else:
             raise AssertionError(f"{name(dtype, precision)}: a {other} checkpoint was not refused")
         assert "state_precision='fp32'" in refusal or "exp_avg_block_exponent" in refusal, refusal
+    # A damaged 8-bit state (an exponent no scale has) is refused by set_state_dict, which changes nothing.
+    model = sharded_model(torch.float32)
+    optimizer = CPUAdam(model.parameters(), **options(torch.float32, "8bit"))
+    model_state, optim_state = get_state_dict(model, optimizer)
+    loaded = {"model": model_state, "optim": optim_state}
+    dcp.load(loaded, checkpoint_id=f"{directory}/{name(torch.float32, '8bit')}")
+    before = {k: v.full_tensor() if hasattr(v, "full_tensor") else v.clone() for k, v in _flat(optimizer).items()}
+    damaged = next(s for s in loaded["optim"]["state"].values() if s["exp_avg"].to_local().numel())
+    damaged["exp_avg_block_exponent"].to_local().view(-1)[0] = -120
+    try:
+        set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    except ValueError as error:
+        assert "damaged" in str(error), error
+    else:
+        raise AssertionError("a damaged 8-bit state was loaded")
+    after = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in _flat(optimizer).items()}
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     wider = nn.Sequential(nn.Linear(12, 34))
     optimizer = CPUAdam(wider.parameters())
     wider(torch.ones(1, 12)).sum().backward()
@@ -164,6 +181,10 @@ def assert_8bit_as_one_process(state: dict, reference: dict, rows: int, row_size
         padded[:numel] = expected.reshape(-1)
         largest = padded.view(-1, quant8.BLOCK).abs().amax(dim=1).repeat_interleave(quant8.BLOCK)[:numel]
         assert ((mine.reshape(-1) - expected.reshape(-1)).abs() <= 0.25 * largest).all()
+
+
+def _flat(optimizer: CPUAdam) -> dict[str, Tensor]:
+    return {f"{i}.{k}": v for i, state in enumerate(optimizer.state.values()) for k, v in state.items()}
 
 
 def _full_state(path: str, model: nn.Module, ids_only: bool = False) -> dict:

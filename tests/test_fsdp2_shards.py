@@ -46,13 +46,18 @@ def plain_model(dtype: torch.dtype) -> nn.Module:
     return nn.Sequential(*layers).to(dtype)
 
 
-def sharded_model(dtype: torch.dtype, **options: object) -> nn.Module:
-    """``plain_model`` with each Linear and the whole sharded by FSDP2 on the CPU (``options``: fully_shard's)."""
+def sharded_model(dtype: torch.dtype, replicas: int = 1, **options: object) -> nn.Module:
+    """``plain_model`` with each Linear and the whole sharded by FSDP2 on the CPU (``options``: fully_shard's),
+    over ``replicas`` replicas of the shards (HSDP: the mesh's dims are replicas x shards)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     model = plain_model(dtype)
-    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    world_size = torch.distributed.get_world_size()
+    if replicas > 1:
+        mesh = init_device_mesh("cpu", (replicas, world_size // replicas), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (world_size,))
     options = {k: v for k, v in options.items() if v is not None}
     for layer in model[::2]:
         fully_shard(layer, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False), **options)
@@ -85,10 +90,15 @@ def assert_bitwise(actual: Tensor, expected: Tensor, what: str) -> None:
 
 
 def _steps_as_one_process(rank: int, world_size: int) -> None:
-    for dtype, precision in SETTINGS:
-        what = f"rank {rank}/{world_size}, {dtype} shards, {precision} moments"
+    # At 4 ranks, also HSDP: 2 replicas of shards over 2 ranks (the placements Replicate, Shard(0)).
+    layouts = [(dtype, precision, 1) for dtype, precision in SETTINGS]
+    if world_size == 4:
+        layouts.append((torch.bfloat16, "8bit", 2))
+    for dtype, precision, replicas in layouts:
+        shards, shard_rank = world_size // replicas, rank % (world_size // replicas)
+        what = f"rank {rank}/{world_size} ({replicas} replicas), {dtype} shards, {precision} moments"
         options = {**HYPER, "state_precision": precision, "stochastic_rounding": dtype == torch.bfloat16, "seed": 7}
-        sharded, whole = sharded_model(dtype), plain_model(dtype)
+        sharded, whole = sharded_model(dtype, replicas), plain_model(dtype)
         ours, reference = CPUAdam(sharded.parameters(), **options), CPUAdam(whole.parameters(), **options)
         for step in range(STEPS):
             g = torch.Generator().manual_seed(1000 * step + rank)
@@ -102,14 +112,14 @@ def _steps_as_one_process(rank: int, world_size: int) -> None:
             reference.zero_grad()
         for p, q in zip(sharded.parameters(), whole.parameters()):
             rows, row_size = q.shape[0], q[0].numel()
-            mine = rows_of(rank, world_size, rows)
+            mine = rows_of(shard_rank, shards, rows)
             start, numel = mine.start * row_size, len(mine) * row_size
             shard = slice(start, start + numel)
             local, state, theirs = p.to_local().reshape(-1), ours.state[p], reference.state[q]
             assert local.numel() == numel and state["step"].item() == theirs["step"].item() == STEPS
             keep = torch.ones(numel, dtype=torch.bool)
             if precision == "8bit":  # bitwise outside the blocks a boundary cuts; close inside them
-                keep = ~cut_elements(q.numel(), row_size, rows, world_size)[shard]
+                keep = ~cut_elements(q.numel(), row_size, rows, shards)[shard]
                 scales = element_scales(state["state_scales"], numel, start)
                 whole_scales = element_scales(theirs["state_scales"], q.numel(), 0)[:, shard]
                 assert_bitwise(scales[:, keep], whole_scales[:, keep], f"{what}: {tuple(q.shape)} scales")
