@@ -30,9 +30,10 @@ cpu_adam_bf16 and cpu_adam_sr name cpu_adam:fp32/fp32, cpu_adam:fp32/bf16 and cp
 FSDP2 with ``CPUOffloadPolicy`` on a world of one, the optimizer stepping the CPU shards:
 ``fsdp2:adamw`` (fp32 shards, torch's ``AdamW(fused=True)``: torchtitan's default) and
 ``fsdp2:SHARDS/STATES`` for ``CPUAdam``: SHARDS fp32 (bf16 compute, fp32 grads reduced) or sr (the
-model in bf16, its shards the masters, stochastic rounding), STATES fp32, bf16 or 8bit;
-``fsdp2:adamw-foreach`` is ``AdamW()``'s default. A contender that is not installed or runs out
-of memory gets a row that says so.
+model in bf16, its shards the masters, stochastic rounding), STATES fp32, bf16 or 8bit, and
+``/inside`` to clip inside ``CPUAdam``'s step (``max_grad_norm``) rather than with torch's
+``clip_grad_norm_`` before it; ``fsdp2:adamw-foreach`` is ``AdamW()``'s default. A contender that
+is not installed or runs out of memory gets a row that says so.
 
 ``--max-grad-norm`` clips every contender that can (default 1.0, as GPT recipes; ``none``: no
 clipping; real training clips almost every step, which decides what the offload step can hide).
@@ -116,12 +117,13 @@ def fsdp2_settings(name: str) -> dict[str, Any] | None:
         return None
     if name in FSDP2_ADAMW:
         return dict(optimizer="adamw", fused=FSDP2_ADAMW[name], shards=torch.float32)
-    shards, _, states = name.removeprefix("fsdp2:").partition("/")
-    if shards not in ("fp32", "sr") or states not in ("fp32", "bf16", "8bit"):
-        raise SystemExit(f"{name}: fsdp2:adamw, fsdp2:adamw-foreach, or fsdp2:SHARDS/STATES with SHARDS fp32 or sr")
-    return dict(
-        optimizer="cpu_adam", shards=MASTERS[shards], state_precision=states, stochastic_rounding=shards == "sr"
-    )
+    shards, states, *rest = [*name.removeprefix("fsdp2:").split("/"), ""]
+    if shards not in ("fp32", "sr") or states not in ("fp32", "bf16", "8bit") or rest not in ([""], ["inside", ""]):
+        raise SystemExit(
+            f"{name}: fsdp2:adamw, fsdp2:adamw-foreach, or fsdp2:SHARDS/STATES[/inside] with SHARDS fp32 or sr"
+        )
+    options = dict(state_precision=states, stochastic_rounding=shards == "sr")
+    return dict(optimizer="cpu_adam", shards=MASTERS[shards], clip_inside=rest[0] == "inside", **options)
 
 
 def host_step_bytes(options: dict[str, Any]) -> float:
@@ -129,6 +131,13 @@ def host_step_bytes(options: dict[str, Any]) -> float:
     from cpu_adam.plan.probe import step_bytes_per_param
 
     return step_bytes_per_param(options["state_precision"], options["master_weights_dtype"])
+
+
+def warmup_steps(name: str, asked: int) -> int:
+    """``device_fraction="auto"`` steps on the host first and moves the planned share's state to the device at the
+    third step: its warm-up lasts until then, or the timed steps would include that one-time move."""
+    options = cpu_adam_settings(name) or {}
+    return max(asked, 3) if options.get("device_fraction") == "auto" else asked
 
 
 def rss_bytes() -> int:
@@ -334,6 +343,8 @@ class FSDP2(Contender):
             from cpu_adam import CPUAdam
 
             options = {k: settings[k] for k in ("state_precision", "stochastic_rounding")}
+            if settings["clip_inside"]:
+                options["max_grad_norm"] = MAX_NORM
             self.opt = CPUAdam(groups, lr=LR, betas=BETAS, **options)
         else:
             self.opt = torch.optim.AdamW(groups, lr=LR, betas=BETAS, fused=settings["fused"])
@@ -341,7 +352,7 @@ class FSDP2(Contender):
         self.extra["note"] = f"{type(self.opt).__name__} {settings}"
 
     def step(self) -> None:
-        if MAX_NORM is not None:
+        if MAX_NORM is not None and getattr(self.opt, "max_grad_norm", None) is None:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), MAX_NORM)
         self.opt.step()
 
@@ -422,7 +433,7 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
         c.zero_grad()
         return loss
 
-    for i in range(args.warmup):  # JIT builds, allocator warm-up, lazily allocated buffers
+    for i in range(warmup_steps(name, args.warmup)):  # JIT builds, allocator warm-up, lazily allocated buffers
         train_step(i)
     sync()
 

@@ -13,9 +13,10 @@
 #   2. tests: the CUDA tests, every one run (no -x: one failure does not hide the rest);
 #   3. clip1: 1.32B, clipping at 1.0: GPU AdamW, torchao, cpu_adam all-host, the device's share ("auto" and 1.0)
 #      at buckets of 2^23 and 2^25 elements, with one step's timeline each for bench_replay.py;
-#   4. fsdp2: FSDP2 with CPUOffloadPolicy at 1.32B: CPUAdam (fp32 shards + bf16 moments, bf16-SR shards + bf16
+#   4. fsdp2: FSDP2 with CPUOffloadPolicy at 1.32B: CPUAdam clipping inside its step or after torch's
+#      clip_grad_norm_ (fp32 shards + bf16 moments, bf16-SR shards + bf16
 #      and 8-bit moments) against torch's AdamW(fused=True) on fp32 shards;
-#   5. big: 6.66B (--layers 32 --dim 4096 --heads 32 --batch 4): all-host against the share, and torchao.
+#   5. big: 6.66B (--layers 32 --dim 4096 --heads 32 --batch 4): the share ("auto", 1.0) against torchao.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp}
@@ -39,7 +40,7 @@ stage() {  # name, seconds, command...
   echo "   exit $?, $((SECONDS - start)) s"
 }
 
-probe_parts() {  # the C++ kernels build once, then eight parts run at once
+probe_parts() {  # the C++ kernels build once, then eight parts run at once (timeout runs it through bash -c)
   python3 -c "from cpu_adam import ops; ops.supported_isas()"
   for k in 0 1 2 3 4 5 6 7; do
     python3 benchmarks/gpu_probe.py --part "$k/8" --json "$WORK/probe/part$k.json" > "$WORK/probe/part$k.log" 2>&1 &
@@ -47,19 +48,21 @@ probe_parts() {  # the C++ kernels build once, then eight parts run at once
   wait
   python3 benchmarks/gpu_probe.py --summary "$WORK"/probe/part*.json
 }
+export -f probe_parts
+export WORK
 
 xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
 bench=(python3 benchmarks/bench_gpu_offload.py --quiet --warmup 2 --steps 3 --split-steps 1)
-stage probe 85 probe_parts
-stage tests 85 python3 -m pytest -q $xdist -p no:cacheprovider tests/test_device_kernel.py tests/test_offload_cuda.py \
+stage probe 90 bash -c probe_parts
+stage tests 70 python3 -m pytest -q $xdist -p no:cacheprovider tests/test_device_kernel.py tests/test_offload_cuda.py \
   tests/test_offload_8bit.py tests/test_offload_overlap.py tests/test_device_share.py -k cuda
-stage clip1 165 "${bench[@]}" --timeout 60 --max-grad-norm 1.0 --json "$WORK/clip1.json" \
+stage clip1 150 "${bench[@]}" --timeout 60 --max-grad-norm 1.0 --json "$WORK/clip1.json" \
   --record-timeline "$WORK/timelines" --contenders torch_adamw,cpu_adam:sr/bf16/share=1,cpu_adam:sr/bf16/share=auto,\
 cpu_adam:sr/bf16/share=1/bucket=25,cpu_adam:sr/bf16/share=auto/bucket=25,torchao,cpu_adam:sr/bf16
-stage fsdp2 105 "${bench[@]}" --timeout 50 --json "$WORK/fsdp2.json" \
-  --contenders fsdp2:adamw,fsdp2:sr/bf16,fsdp2:fp32/bf16,fsdp2:sr/8bit
-stage big 110 "${bench[@]}" --timeout 60 --layers 32 --dim 4096 --heads 32 --batch 4 --json "$WORK/big.json" \
-  --contenders cpu_adam:sr/bf16/share=1/bucket=25,torchao,cpu_adam:sr/bf16,cpu_adam:sr/bf16/share=auto
+stage fsdp2 130 "${bench[@]}" --timeout 45 --json "$WORK/fsdp2.json" \
+  --contenders fsdp2:adamw,fsdp2:sr/bf16/inside,fsdp2:sr/bf16,fsdp2:sr/8bit/inside,fsdp2:fp32/bf16/inside
+stage big 120 "${bench[@]}" --timeout 60 --layers 32 --dim 4096 --heads 32 --batch 4 --json "$WORK/big.json" \
+  --contenders cpu_adam:sr/bf16/share=auto,torchao,cpu_adam:sr/bf16/share=1/bucket=25
 { cat "$WORK/machine.txt"; for log in "$WORK"/*.log; do echo "== $log"; tail -n 30 "$log"; done; } > "$OUT/summary.txt"
 tar czf "$OUT/gpu_check.tgz" -C /tmp gpu_check
 cat "$OUT/summary.txt"
