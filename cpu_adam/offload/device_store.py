@@ -67,8 +67,7 @@ class DeviceStore:
                 resident.add(key)
                 used += size
         for key in [key for key in self._resident if key not in resident]:  # streamed from now on
-            self._write_back(key)
-            self._dev.release(list(_tensors(self._resident.pop(key))))
+            self._evict(key)
         for key in sorted(resident - set(self._resident)):
             views, event = self._link.state_up(self._host_views(key))
             self._dev.wait_host(event)
@@ -83,8 +82,7 @@ class DeviceStore:
         """The buckets not in ``keys`` leave the device: their state back in the host store, their memory given back."""
         self._dev.wait_host(self._down)
         for key in [key for key in self._resident if key not in keys]:
-            self._write_back(key)
-            self._dev.release(list(_tensors(self._resident.pop(key))))
+            self._evict(key)
         for key in self.streamed - keys:
             self._masters_from_weights(key)  # a streamed bucket leaving: its master was the weights
         self.streamed &= keys
@@ -160,6 +158,11 @@ class DeviceStore:
     def _write_back(self, key: Key) -> None:
         self._dev.wait_host(self._link.state_down(self._resident[key], self._host_views(key)))
         self._masters_from_weights(key)
+
+    def _evict(self, key: Key) -> None:
+        """A resident bucket's state back in the host store, and its device memory given back."""
+        self._write_back(key)
+        self._dev.release(list(_tensors(self._resident.pop(key))))
 
     def _masters_from_weights(self, key: Key) -> None:
         if not self._keeps_master:
