@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -16,12 +15,10 @@ from ._compiled_step import GroupStep, adam_step_groups
 from ._precision import (
     MOMENTS,
     SCALES,
-    STATE_PRECISIONS,
-    check_saved_moments,
-    converted_moments,
     resolved_precision,
     state_dtype,
 )
+from ._saved_state import check_precision, check_saved, converted, shaped_like
 from ._turn import Turn, one_at_a_time
 from ._validation import check_hyper_parameters, check_param_group, check_step_count, checked_seed
 from .grad_norm import check_max_grad_norm, clip_factor, total_norm
@@ -334,7 +331,7 @@ class CPUAdam(torch.optim.Optimizer):
             exponents = shard_state.exponents_of(state[SCALES], _local(p).numel(), self._shard_start(p))
             entry = {k: v for k, v in saved["state"][index].items() if k != SCALES}
             for name, each in zip(shard_state.EXPONENTS, exponents):
-                entry[name] = _shaped_like(p, each)
+                entry[name] = shaped_like(p, each)
             saved["state"][index] = entry
         return saved
 
@@ -370,10 +367,11 @@ class CPUAdam(torch.optim.Optimizer):
         for saved_id, p in zip(saved_ids, params):  # all checked and converted before anything changes
             saved = moments.get(saved_id, {})
             where = f"CPUAdam.load_state_dict: the state of param {saved_id}"
-            _check_precision(where, saved, saved_precision.get(saved_id))
-            self._check_saved(where, {k: _local(v) for k, v in saved.items()}, p)
+            start = self._shard_start(p)
+            check_precision(where, saved, saved_precision.get(saved_id))
+            check_saved(where, {k: _local(v) for k, v in saved.items()}, p, start)
             if saved:
-                loaded[id(p)] = self._converted(saved, p, dtype_of[id(p)])
+                loaded[id(p)] = converted(saved, p, dtype_of[id(p)], start)
         # Steps are cloned: torch's load keeps the saved step tensors, which a live
         # optimizer that produced them would go on incrementing in place.
         without_moments = {
@@ -399,57 +397,6 @@ class CPUAdam(torch.optim.Optimizer):
                 self.state[p].update(loaded[id(p)])
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
-
-    def _check_saved(self, where: str, saved: dict[str, Tensor], p: Tensor) -> None:
-        """Refuses saved moments (local tensors) that do not fit ``p``'s shard or hold no usable numbers."""
-        shape = tuple(_local(p).shape)
-        if not any(name in saved for name in shard_state.EXPONENTS):
-            if SCALES in saved and shards.head_size(math.prod(shape), self._shard_start(p), eight_bit=True):
-                raise ValueError(
-                    f"{where}: 8-bit moments with state_scales in blocks of the local tensor, but this shard "
-                    "starts inside a block of its whole param; save them with CPUAdam.state_dict() (through "
-                    "torch.distributed.checkpoint's get_state_dict), which gives each element's scale"
-                )
-            check_saved_moments(where, saved, shape)
-            return
-        shard_state.check_exponents(where, saved, shape)
-        for name in MOMENTS:
-            t = saved.get(name)
-            if not isinstance(t, Tensor) or t.dtype != torch.uint8 or tuple(t.shape) != shape:
-                got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
-                raise ValueError(f"{where}: {name} is {got} beside block exponents; 8-bit codes are uint8 {shape}")
-
-    def _converted(self, saved: dict[str, Tensor], p: Tensor, dtype: torch.dtype) -> dict[str, Tensor]:
-        """Saved moments as this optimizer keeps them for ``p``: DTensors like it for a DTensor param."""
-        if not shards.is_dtensor(p) and not any(name in saved for name in shard_state.EXPONENTS):
-            return converted_moments(saved, dtype, p.device)
-        local = {k: _local(v) for k, v in saved.items()}
-        moments = shard_state.loaded_moments(local, dtype, self._shard_start(p))
-        return {k: _shaped_like(p, v) if k in MOMENTS else v for k, v in moments.items()}
-
-
-def _check_precision(where: str, saved: dict[str, Tensor], precision: str | None) -> None:
-    """Refuses moments whose dtype is not the precision their group was saved with: cast after saving, as
-    torch.distributed.checkpoint casts a checkpoint into a state dict of another precision."""
-    if precision is None or "exp_avg" not in saved or precision not in STATE_PRECISIONS:
-        return
-    dtype = saved["exp_avg"].dtype
-    if dtype != state_dtype(precision):
-        raise ValueError(
-            f"{where}: its group was saved with state_precision={precision!r}, but the moments are {dtype}: they "
-            "were cast after saving (torch.distributed.checkpoint loads a checkpoint into the state dict of an "
-            f"optimizer of another precision so). Build the optimizer with state_precision={precision!r} to resume "
-            "this checkpoint, then convert by loading its state_dict() into one of the precision you want"
-        )
-
-
-def _shaped_like(p: Tensor, local: Tensor) -> Tensor:
-    """``local`` (a shard's values, any shape of its size) as a tensor like ``p``: a DTensor sharded as it is."""
-    if not shards.is_dtensor(p):
-        return local.reshape(p.shape)
-    shaped = torch.empty_like(p, dtype=local.dtype)
-    shaped.to_local().copy_(local.reshape(shaped.to_local().shape))
-    return shaped
 
 
 def _check_group(owner: str, group: dict[str, Any]) -> None:
