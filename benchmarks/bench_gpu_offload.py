@@ -97,6 +97,7 @@ def cpu_adam_settings(name: str) -> dict[str, Any] | None:
     if master not in MASTERS or states not in ("fp32", "bf16", "8bit"):
         raise SystemExit(f"{name}: cpu_adam:MASTER/STATES with MASTER fp32, bf16 or sr, STATES fp32, bf16 or 8bit")
     options = dict(master_weights_dtype=MASTERS[master], state_precision=states, stochastic_rounding=master == "sr")
+    options["device_fraction"] = 0.0  # all on the host unless share= says otherwise
     for token in rest:
         if token == "bwd":
             options["overlap"] = "backward"
