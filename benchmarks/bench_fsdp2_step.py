@@ -51,6 +51,7 @@ class Config:
     shard_dtype: torch.dtype
     moments: str  # "fp32", "bf16" or "8bit"
     target: float | None = None  # the issue's bar against AdamW(fused=True) on fp32 shards
+    rounding: str = "stochastic"  # of bf16 shards' stores: "stochastic", or "nearest" (what SR costs)
 
     def build(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
         if self.optimizer == "adamw_fused":
@@ -63,7 +64,7 @@ class Config:
             params,
             **HYPER,
             state_precision=self.moments,
-            stochastic_rounding=self.shard_dtype == torch.bfloat16,
+            stochastic_rounding=self.shard_dtype == torch.bfloat16 and self.rounding == "stochastic",
         )
 
 
@@ -75,6 +76,7 @@ CONFIGS = [
     Config("CPUAdam fp32/fp32", "cpu_adam", torch.float32, "fp32", 1.0),
     Config("CPUAdam fp32 + bf16 moments", "cpu_adam", torch.float32, "bf16", 1.3),
     Config("CPUAdam bf16-SR + bf16 moments", "cpu_adam", torch.bfloat16, "bf16", 1.8),
+    Config("CPUAdam bf16 (nearest) + bf16 moments", "cpu_adam", torch.bfloat16, "bf16", rounding="nearest"),
     Config("CPUAdam bf16-SR + 8-bit moments", "cpu_adam", torch.bfloat16, "8bit", 1.3),
 ]
 
