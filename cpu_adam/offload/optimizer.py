@@ -68,10 +68,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
     numbers); where the grads changed, and with ``"none"`` (the default), the step runs after
     backward. Both give the same bits (``overlap.py``).
 
-    ``device_fraction`` (a number in [0, 1], or "auto") is the share of each group's elements that
-    the device steps where the weights are, its state in device memory (up to ``device_budget``
-    bytes; beyond, streamed in the shadow of forward and backward): the same bits as the host's
-    step, whatever the share (``share.py``, docs/offload.md).
+    ``device_fraction`` (a number in [0, 1], or "auto", the default) is the share of each group's
+    elements that the device steps where the weights are, its state in device memory (up to
+    ``device_budget`` bytes; beyond, streamed in the shadow of forward and backward): the same bits
+    as the host's step, whatever the share (``share.py``, docs/offload.md). "auto" plans it from
+    the memory and time each step shows (0 on a CPU device); 0.0 keeps all state on the host.
 
     With ``process_group`` (a ``torch.distributed`` group, e.g. ``dist.group.WORLD``) the ranks
     train one data-parallel model: grads are averaged over the ranks as DDP does, and each rank
@@ -101,7 +102,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         seed: int | None = None,
         device: str | torch.device | None = None,
         overlap: str = "none",
-        device_fraction: float | str = 0.0,
+        device_fraction: float | str = "auto",
         device_budget: int | None = None,
     ) -> None:
         check_hyper_parameters(OWNER, lr, betas, eps, weight_decay)
