@@ -49,7 +49,9 @@ def is_dtensor(t: Tensor) -> bool:
 
 def local(t: Tensor) -> Tensor:
     """The tensor the kernel updates: a DTensor's local shard, else the tensor itself."""
-    return t.to_local() if is_dtensor(t) else t
+    # The shard itself, as FSDP2 reads it: to_local() returns a view of it through an autograd
+    # Function, which costs about 10 us a call, four calls a param a step.
+    return t._local_tensor if is_dtensor(t) else t
 
 
 def shard_start(p: Tensor) -> int:
