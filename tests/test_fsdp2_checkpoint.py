@@ -119,7 +119,25 @@ def _resume(rank: int, world_size: int, directory: str) -> None:
         for step in range(SAVED_AT, STEPS):
             step_on(model, optimizer, step)
         assert_as_one_process(model, optimizer, dtype, precision, rank, world_size)
+    if world_size == 4:
+        _resume_from_full(rank, world_size, directory)
     _refuses(rank, directory)
+
+
+def _resume_from_full(rank: int, world_size: int, directory: str) -> None:
+    """The full state dict saved on 2 ranks, loaded on 4 by set_state_dict (full_state_dict=True: each
+    rank takes its shards of the whole tensors), goes on as one process too."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    for dtype, precision in SETTINGS:
+        model = sharded_model(dtype)
+        optimizer = CPUAdam(model.parameters(), **options(dtype, precision))
+        full = torch.load(f"{directory}/{name(dtype, precision)}.full.pt", weights_only=False)
+        whole = StateDictOptions(full_state_dict=True)
+        set_state_dict(model, optimizer, model_state_dict=full[0], optim_state_dict=full[1], options=whole)
+        for step in range(SAVED_AT, STEPS):
+            step_on(model, optimizer, step)
+        assert_as_one_process(model, optimizer, dtype, precision, rank, world_size)
 
 
 def _refuses(rank: int, directory: str) -> None:
