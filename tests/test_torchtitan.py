@@ -105,8 +105,11 @@ def test_torchtitans_container_and_checkpointer_step_and_resume_cpu_adam(tmp_pat
     run_ranks(_checkpointer_resumes_exactly, str(tmp_path), precision)
 
 
-def test_the_example_config_selects_cpu_adam_with_cpu_offload() -> None:
-    config = llama3_70b_cpu_adam()
+def test_the_documented_command_line_selects_cpu_adam_with_cpu_offload() -> None:
+    from torchtitan.config import ConfigManager
+
+    # torchtitan.train's own parsing of `--module torchtitan_cpu_adam --config llama3_70b_cpu_adam`
+    config = ConfigManager().parse_args(["--module", "torchtitan_cpu_adam", "--config", llama3_70b_cpu_adam.__name__])
     assert isinstance(config.optimizer, CPUAdamOptimizers.Config)
     assert config.training.enable_cpu_offload
     [group] = config.optimizer.param_groups
