@@ -71,6 +71,8 @@ class Run:
         for p in self.model.parameters():
             out.append(p.to_local())
             out += [optimizer.state[p][key].to_local() for key in ("exp_avg", "exp_avg_sq")]
+            if "state_scales" in optimizer.state[p]:  # 8-bit moments' block scales
+                out.append(optimizer.state[p]["state_scales"])
             out.append(optimizer.state[p]["step"])
         return out
 
@@ -84,7 +86,7 @@ def _checkpointer_resumes_exactly(rank: int, world_size: int, folder: str, preci
     assert all(isinstance(p, DTensor) and p.device.type == "cpu" for p in optimizer.param_groups[0]["params"])
     straight.train(rank, range(STEPS))
     moments = optimizer.state[next(straight.model.parameters())]["exp_avg"].to_local()
-    assert moments.dtype == (torch.bfloat16 if precision == "bf16" else torch.float32)
+    assert moments.dtype == {"fp32": torch.float32, "bf16": torch.bfloat16, "8bit": torch.uint8}[precision]
 
     first = Run(f"{folder}/resumed", precision)
     first.train(rank, range(SAVED_AT))
@@ -100,6 +102,8 @@ def _checkpointer_resumes_exactly(rank: int, world_size: int, folder: str, preci
         run.checkpointer.close()
 
 
+# Not 8-bit yet: torchtitan rebuilds the state dict it loads from the keys of optimizer.state (where
+# CPUAdam keeps state_scales), and CPUAdam's resharding 8-bit state_dict() names its scales otherwise.
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_torchtitans_container_and_checkpointer_step_and_resume_cpu_adam(tmp_path: Path, precision: str) -> None:
     run_ranks(_checkpointer_resumes_exactly, str(tmp_path), precision)
