@@ -28,7 +28,7 @@ from torch import Tensor
 from .. import ops
 from ..quant8 import BLOCK as Q8_BLOCK
 
-__all__ = ["Launches", "adam_step", "available", "missing_reason", "prepare_step"]
+__all__ = ["Launches", "adam_step", "add_launch", "available", "missing_reason", "prepare_step"]
 
 # Elements per launch at most: a multiple of the 8-bit block whose counters cross a 2^32 boundary at most once.
 _PIECE = 2**30
@@ -107,9 +107,6 @@ def prepare_step(
     reason = missing_reason()
     if reason is not None:
         raise RuntimeError(f"cpu_adam: {reason}")
-    from . import kernels
-    from .launch import for_device
-
     params, grads, exp_avgs, exp_avg_sqs = list(params), list(grads), list(exp_avgs), list(exp_avg_sqs)
     outs = list(bf16_outs) if bf16_outs is not None else []
     scales = list(state_scales) if state_scales is not None else []
@@ -127,43 +124,67 @@ def prepare_step(
     if len(counter_offsets) != len(params) or any(int(o) < 0 or int(o) % 2 for o in counter_offsets):
         raise ValueError(f"cpu_adam: counter_offsets must be one even number >= 0 per param, got {counter_offsets}")
     before = tininess_before_rounding() if before_rounding is None else bool(before_rounding)
-    device = params[0].device
-    block, rows = _TILE["cuda" if device.type == "cuda" else "cpu"]
-    floats = [_flushed(x) for x in (h.step_size, h.inv_bc2_sqrt, h.eps, h.decay, h.l2, h.grad_scale)]
-    floats += [_flushed(x) for x in (h.one_minus_beta1, h.one_minus_weight, h.beta2, h.one_minus_beta2)]
-    flags = dict(HAS_L2=h.l2 != 0.0, LERP_FROM_GRAD=h.lerp_from_grad, BEFORE_ROUNDING=before)
-    eight_bit = bool(scales)
-    kernel = for_device(kernels.adam_q8_kernel if eight_bit else kernels.adam_kernel, device)
     for i, param in enumerate(params):
         n = param.numel()
-        out = outs[i] if outs else None
-        kinds = dict(
-            PARAM=_code(param.dtype),
-            GRAD=_code(grads[i].dtype),
-            HAS_OUT=out is not None,
-            STOCHASTIC=stochastic_rounding and param.dtype == torch.bfloat16,
-        )
-        if not eight_bit:
-            kinds["STATE"] = _code(exp_avgs[i].dtype)
+        out, scale = outs[i] if outs else None, scales[i] if scales else None
+        tensors = (param, grads[i], exp_avgs[i], exp_avg_sqs[i], out, scale)
         for begin in range(0, n, _PIECE):
             end = min(n, begin + _PIECE)
             counter = int(counter_offsets[i]) + begin
             high, low = counter >> 32, counter & 0xFFFFFFFF
             keys = (_key(seed, step, high), _key(seed, step, high + 1)) if random_bits else (0, 0)
             wrap = min(end - begin, (1 << 32) - low)
-            tensors = [_bits(t, begin, end) for t in (param, grads[i], exp_avgs[i], exp_avg_sqs[i])]
-            tensors.append(_bits(out, begin, end) if out is not None else tensors[0])
-            if eight_bit:
-                tensors.append(scales[i][0, begin // Q8_BLOCK :])  # its row 1 lies a row stride further
-                grid = (-(-(end - begin) // (Q8_BLOCK * rows)),)
-                sizes, tile = (end - begin, scales[i].stride(0)), dict(ROWS=rows)
-            else:
-                grid = (-(-(end - begin) // block),)
-                sizes, tile = (end - begin,), dict(BLOCK=block)
-            counters = (_signed(low), _signed(keys[0]), _signed(keys[1]), wrap)
-            options = dict(**kinds, **flags, **tile, enable_fp_fusion=False)
-            launches.add(kernel, grid, (*tensors, *sizes, *counters, *floats), options)
+            add_launch(launches, h, tensors, begin, end, low, keys, wrap, stochastic_rounding, before)
     return launches
+
+
+def add_launch(
+    launches: Launches,
+    h: ops.FoldedHyper,
+    tensors: Sequence[Tensor | None],
+    begin: int,
+    end: int,
+    first_counter: int,
+    keys: tuple[int, int],
+    wrap: int,
+    stochastic_rounding: bool,
+    before_rounding: bool,
+) -> None:
+    """The launch of elements [begin, end) of one param's tensors (param, grad, exp_avg, exp_avg_sq, bf16 output or
+    None, 8-bit state scales or None), checked by ``prepare_step``, with the host kernel's own scalars: ``h`` folded,
+    the 32-bit counter of element ``begin``, the keys before and after the counter wraps, and where it wraps
+    (elements from ``begin``). ``prepare_step`` builds each launch here; tests feed it a host's recorded scalars."""
+    from . import kernels
+    from .launch import for_device
+
+    param, grad, exp_avg, exp_avg_sq, out, scales = tensors
+    assert param is not None and grad is not None and exp_avg is not None and exp_avg_sq is not None
+    block, rows = _TILE["cuda" if param.device.type == "cuda" else "cpu"]
+    floats = [_flushed(x) for x in (h.step_size, h.inv_bc2_sqrt, h.eps, h.decay, h.l2, h.grad_scale)]
+    floats += [_flushed(x) for x in (h.one_minus_beta1, h.one_minus_weight, h.beta2, h.one_minus_beta2)]
+    flags = dict(HAS_L2=h.l2 != 0.0, LERP_FROM_GRAD=h.lerp_from_grad, BEFORE_ROUNDING=before_rounding)
+    eight_bit = scales is not None
+    kernel = for_device(kernels.adam_q8_kernel if eight_bit else kernels.adam_kernel, param.device)
+    kinds = dict(
+        PARAM=_code(param.dtype),
+        GRAD=_code(grad.dtype),
+        HAS_OUT=out is not None,
+        STOCHASTIC=stochastic_rounding and param.dtype == torch.bfloat16,
+    )
+    if not eight_bit:
+        kinds["STATE"] = _code(exp_avg.dtype)
+    pieces = [_bits(t, begin, end) for t in (param, grad, exp_avg, exp_avg_sq)]
+    pieces.append(_bits(out, begin, end) if out is not None else pieces[0])
+    if scales is not None:
+        pieces.append(scales[0, begin // Q8_BLOCK :])  # its row 1 lies a row stride further
+        grid = (-(-(end - begin) // (Q8_BLOCK * rows)),)
+        sizes, tile = (end - begin, scales.stride(0)), dict(ROWS=rows)
+    else:
+        grid = (-(-(end - begin) // block),)
+        sizes, tile = (end - begin,), dict(BLOCK=block)
+    counters = (_signed(first_counter), _signed(keys[0]), _signed(keys[1]), wrap)
+    options = dict(**kinds, **flags, **tile, enable_fp_fusion=False)
+    launches.add(kernel, grid, (*pieces, *sizes, *counters, *floats), options)
 
 
 _P = ParamSpec("_P")
