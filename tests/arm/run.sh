@@ -7,7 +7,11 @@
 #   and 2048 bits: every ARM ISA against the ARM scalar kernel, and the ARM scalar kernel against the
 #   x86 one;
 # - run-time detection under CPU models without SVE or BF16, CPU_ADAM_ISA, and the AArch64 build
-#   without Linux's auxiliary vector (as on macOS), which has NEON only.
+#   without Linux's auxiliary vector (as on macOS), which has NEON only;
+# - the device kernel's fixture, tests/arm/aarch64_steps.bin (tests/test_device_kernel_arm.py): the
+#   AArch64 scalar kernel's steps (driver --write-steps), every ARM ISA agreeing on them, rewritten
+#   by each compiler's build and equal to the committed file byte for byte. UPDATE_STEPS=1 writes
+#   the GCC build's file over the committed one instead (then commit it).
 #
 # Needs (Debian): g++-12-aarch64-linux-gnu clang-16 qemu-user; .ci/run installs them, and
 # g++-11-aarch64-linux-gnu (Ubuntu 22.04's compiler), built and run at one vector length when present.
@@ -124,6 +128,21 @@ for run in "${runs[@]}"; do
     grep -q "passed, 0 failed" "$work/run-$1-$2"
   if [ "$2" = 128 ]; then grep -E "cases bitwise|cases differ|flush edge" "$work/run-$1-$2" | sed 's/^/     /'; fi
   grep -q "passed, 0 failed" "$work/run-$1-$2" || sed 's/^/     /' "$work/run-$1-$2"
+done
+
+steps=tests/arm/aarch64_steps.bin
+write_steps() {  # compiler name
+  "$qemu" -cpu max "$work/driver-$1" --write-steps "$work/steps-$1.bin" --expect-isas "$all_isas" || return 1
+  if [ "${UPDATE_STEPS:-0}" = 1 ] && [ "$1" = gcc ]; then cp "$work/steps-$1.bin" "$steps"; fi
+  if ! cmp "$work/steps-$1.bin" "$steps"; then
+    echo "the steps differ from $steps; if the kernel or the cases changed on purpose, rewrite it:"
+    echo "UPDATE_STEPS=1 bash tests/arm/run.sh, and commit it"
+    return 1
+  fi
+}
+for name in gcc clang; do
+  check "$name build: the steps of tests/test_device_kernel_arm.py written, every ISA agreeing, as committed" \
+    write_steps "$name"
 done
 
 # Detection: what each CPU model offers, best first; CPU_ADAM_ISA picks or refuses.

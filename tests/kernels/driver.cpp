@@ -7,9 +7,12 @@
 //   ASan they are poisoned while a kernel runs, so a read there is caught too);
 // - steps flush denormals, and the caller's mode comes back after them;
 // - the scalar kernel's results written to a file (one architecture) or checked
-//   against one (the other), with and without flushing.
+//   against one (the other), with and without flushing;
+// - --write-steps: a few steps, their inputs, the scalars the kernel received and its results, for
+//   the device kernel's tests (the format below, at write_steps; tests/arm/aarch64_steps.bin is
+//   AArch64's).
 //
-//   driver [--write-reference FILE | --check-reference FILE]
+//   driver [--write-reference FILE | --check-reference FILE | --write-steps FILE]
 //          [--expect-isas LIST] [--expect-active NAME] [--expect-sve-bits N]
 //
 // Inputs come from a seeded integer generator, so both architectures see the
@@ -53,8 +56,37 @@ int checks_passed = 0;
 
 // ---- inputs ----
 
-enum class Data { random, tiny, special };
-const char* data_name(Data d) { return d == Data::random ? "random" : d == Data::tiny ? "tiny" : "special"; }
+// Each case's data; write_steps records it by this order.
+enum class Data { random, tiny, edge, edge_l2, special };
+const char* data_name(Data d) {
+  const char* names[] = {"random", "tiny", "edge", "edge_l2", "special"};
+  return names[static_cast<int>(d)];
+}
+
+// A scale c and a bf16-exact value x = 2^-126 * (1 + a/128) whose exact product lies in
+// 2^-126 * (1 - 2^-25, 1): it rounds up to 2^-126, which x86-64 keeps (tiny after rounding) and
+// AArch64 flushes (tiny before). Random inputs almost never land there. As grad * grad_scale it
+// tests the kernel's products; as param * weight_decay + 0 (L2) its fused multiply-add. (A quotient
+// of floats cannot land there: the kernel's one division makes no such case.)
+struct Edge {
+  float grad_scale;
+  uint32_t grad;
+};
+
+Edge find_edge() {
+  for (uint32_t a = 1; a < 128; ++a) {
+    const double x = 1.0 + a / 128.0;
+    const float c = static_cast<float>(1.0 / x);
+    for (const float scale : {std::nextafter(c, 0.0f), c, std::nextafter(c, 2.0f)}) {
+      const double product = static_cast<double>(scale) * x;  // exact: 24 bits times 8
+      if (product > 1.0 - std::ldexp(1.0, -25) && product < 1.0) return {scale, 0x00800000u | a << 16};
+    }
+  }
+  fail("no grad scale rounds a bf16 grad up to 2^-126");
+  return {1.0f, 0x00800000u};
+}
+
+const Edge kEdge = find_edge();
 
 struct Values {
   uint32_t param, grad, exp_avg, exp_avg_sq;
@@ -73,6 +105,26 @@ Values make_values(Data data, Rng& r) {
     case Data::tiny: {
       const uint32_t v = r.range(0, 3) == 0 ? 0u : float_with_exponent(r, -126, -112, true);
       return {float_with_exponent(r, -2, 1), float_with_exponent(r, -66, -58), float_with_exponent(r, -70, -62), v};
+    }
+    case Data::edge: {
+      // Tiny data; in about half the elements a grad that kEdge's scale rounds up to +-2^-126 and a
+      // param small enough for that grad's update to show in it.
+      Values v = make_values(Data::tiny, r);
+      if (r.range(0, 1) == 0) {
+        v.grad = kEdge.grad | (r.u32() & 0x80000000u);
+        v.param = float_with_exponent(r, -112, -106);
+      }
+      return v;
+    }
+    case Data::edge_l2: {
+      // Tiny data; in about half the elements a zero grad and a param that kEdge's scale, as the L2
+      // weight decay, rounds up to +-2^-126.
+      Values v = make_values(Data::tiny, r);
+      if (r.range(0, 1) == 0) {
+        v.param = kEdge.grad | (r.u32() & 0x80000000u);
+        v.grad = r.u32() & 0x80000000u;
+      }
+      return v;
     }
     default:
       return {special_float(r), special_float(r), special_float(r), special_float(r)};
@@ -119,6 +171,24 @@ struct Case {
   Call call;
 };
 
+// Counters start even. Float-state segments never wrap the 32-bit counter (ops.cpp splits them); an
+// 8-bit state's segment runs on to the end of the block holding the wrap, and changes keys there.
+// `index` picks the counter: 0, 2, any, or the last before the wrap (8-bit states: a wrap inside).
+void set_counters(Call& k, size_t index, Rng& r) {
+  const int64_t n = k.n;
+  const uint32_t top = static_cast<uint32_t>((uint64_t{1} << 32) - static_cast<uint64_t>(n)) & ~1u;
+  const int64_t last_block = n > 0 ? (n - 1) / kQ8Block * kQ8Block : 0;
+  const int64_t wrap = (last_block + (n - last_block) / 2) & ~int64_t{1};
+  const uint32_t choices[] = {0u, 2u, 0x12345678u, top};
+  k.first_counter = choices[index % 4];
+  k.key = r.u32();
+  k.key_after_wrap = r.u32();
+  if (k.layout.state == DType::q8 && wrap > 0 && index % 4 == 3) {
+    k.first_counter = static_cast<uint32_t>((uint64_t{1} << 32) - static_cast<uint64_t>(wrap));
+    k.counter_wrap = wrap;
+  }
+}
+
 std::string describe(const Case& c) {
   const Call& k = c.call;
   char text[256];
@@ -149,6 +219,20 @@ Hyper make_hyper(const Variant& v) {
   return h;
 }
 
+// Case number `index`: its data's seed drawn from `r`, then its counters and keys if it draws random bits.
+Case make_case(Data data, const Variant& v, Layout layout, int64_t n, size_t index, bool random_bits, Rng& r) {
+  Case c{data, &v, r.next(), {}};
+  Call& k = c.call;
+  k.layout = layout;
+  k.hyper = make_hyper(v);
+  k.out = v.out;
+  k.out_is_grad = v.out_is_grad;
+  k.n = k.counter_wrap = n;
+  k.offset = static_cast<int>(index % 3);
+  if (random_bits) set_counters(k, index, r);
+  return c;
+}
+
 std::vector<Case> all_cases() {
   std::vector<Case> cases;
   Rng r{12345};
@@ -159,34 +243,8 @@ std::vector<Case> all_cases() {
           for (const Variant& v : kVariants) {
             std::vector<int64_t> sizes(std::begin(kSizes), std::end(kSizes));
             if (data == Data::random) sizes.insert(sizes.end(), std::begin(kLongSizes), std::end(kLongSizes));
-            for (const int64_t n : sizes) {
-              Case c{data, &v, r.next(), {}};
-              Call& k = c.call;
-              k.layout = {p, g, s};
-              k.hyper = make_hyper(v);
-              k.out = v.out;
-              k.out_is_grad = v.out_is_grad;
-              k.n = n;
-              k.offset = static_cast<int>(cases.size() % 3);
-              k.counter_wrap = n;
-              if (v.stochastic) {
-                // Counters start even. Float-state segments never wrap the 32-bit counter (ops.cpp
-                // splits them); an 8-bit state's segment runs on to the end of the block holding
-                // the wrap, and changes keys there.
-                const uint32_t top = static_cast<uint32_t>((uint64_t{1} << 32) - static_cast<uint64_t>(n)) & ~1u;
-                const int64_t last_block = n > 0 ? (n - 1) / kQ8Block * kQ8Block : 0;
-                const int64_t wrap = (last_block + (n - last_block) / 2) & ~int64_t{1};
-                const uint32_t choices[] = {0u, 2u, 0x12345678u, top};
-                k.first_counter = choices[cases.size() % 4];
-                k.key = r.u32();
-                k.key_after_wrap = r.u32();
-                if (s == DType::q8 && wrap > 0 && cases.size() % 4 == 3) {
-                  k.first_counter = static_cast<uint32_t>((uint64_t{1} << 32) - static_cast<uint64_t>(wrap));
-                  k.counter_wrap = wrap;
-                }
-              }
-              cases.push_back(c);
-            }
+            for (const int64_t n : sizes)
+              cases.push_back(make_case(data, v, {p, g, s}, n, cases.size(), v.stochastic, r));
           }
         }
       }
@@ -215,6 +273,131 @@ Tuple make_inputs(const Case& c) {
 
 Tuple run_case(KernelFn kernel, const Case& c, const Tuple& inputs, Mode mode) {
   return run_call(kernel, c.call, inputs, mode);
+}
+
+// ---- steps for the device kernel (--write-steps) ----
+
+// The fixture of tests/test_device_kernel_arm.py, which reads it; little-endian. "ADAMSTEP", u32
+// version (1), u32 number of cases, then each case:
+//   u8 x 4: param, grad and state dtypes (0 f32, 1 bf16, 2 8-bit codes), data (enum Data);
+//   u8 x 4: flags (1 a bf16 output, 2 that output is the bf16 grad itself, 4 Hyper::stochastic_rounding,
+//           8 Hyper::lerp_from_grad), the variant (0 to 4: kVariants', 5 edge, 6 edge_l2), 0, 0;
+//   u32 x 5: n, first_counter, key, key_after_wrap, counter_wrap (the Segment's);
+//   u32 x 10: the bits of the Hyper's floats as the kernel received them: step_size, inv_bc2_sqrt,
+//             eps, decay, l2, grad_scale, one_minus_beta1, one_minus_weight, beta2, one_minus_beta2;
+//   the inputs: param, grad, exp_avg, exp_avg_sq (n elements each, in its dtype), then for 8-bit
+//   states their block scales (f32, exp_avg's blocks then exp_avg_sq's);
+//   the scalar kernel's results with denormals flushed as a step runs it: the same arrays, the bf16
+//   output (n elements) after exp_avg_sq where it is its own array.
+
+// Every param/grad/state layout; random and tiny data under the kernel tests' variants but the
+// probes; tiny data with kEdge's grads under a variant with its grad scale, and with its params
+// under one with it as L2 weight decay. Sizes from 1 to 300, ending inside a vector and inside an
+// 8-bit block.
+std::vector<Case> step_cases() {
+  // beta1 = 0: the first moment is the grad, so that a grad flushed or not shows in exp_avg.
+  static const Variant edge = {
+      "edge", 2, 1e-3, 0.0, 0.999, 1e-8, 0.01, true, true, kEdge.grad_scale, true, false, false, ProbeVariant::none};
+  static const Variant edge_l2 = {"edge_l2", 4,    1e-3, 0.0,  0.999, 1e-8,  kEdge.grad_scale,  // as weight decay
+                                  false,     true, 1.0,  true, false, false, ProbeVariant::none};
+  const int64_t sizes[] = {1, 37, 100, 300};
+  std::vector<Case> cases;
+  Rng r{20261128};
+  int layout = 0;
+  for (const DType p : kTypes) {
+    for (const DType g : kTypes) {
+      for (const DType s : kStateTypes) {
+        auto add = [&](Data data, const Variant& v, int64_t n) {
+          // 8-bit codes draw random bits whether or not params round stochastically.
+          cases.push_back(make_case(data, v, {p, g, s}, n, cases.size(), v.stochastic || s == DType::q8, r));
+        };
+        for (const Data data : {Data::random, Data::tiny}) {
+          for (int v = 0; v < 5; ++v) add(data, kVariants[v], sizes[(layout + v + 2 * (data == Data::tiny)) % 4]);
+        }
+        add(Data::edge, edge, 37);
+        add(Data::edge, edge, 300);
+        add(Data::edge_l2, edge_l2, layout % 2 ? 37 : 300);
+        ++layout;
+      }
+    }
+  }
+  return cases;
+}
+
+float from_bits(uint32_t u) {
+  float x;
+  std::memcpy(&x, &u, sizeof x);
+  return x;
+}
+
+uint32_t to_bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  return u;
+}
+
+void put_u32(std::vector<unsigned char>& out, uint32_t u) {
+  for (int i = 0; i < 4; ++i) out.push_back(static_cast<unsigned char>(u >> 8 * i));
+}
+
+void put_elements(std::vector<unsigned char>& out, const Array& a) {
+  out.insert(out.end(), a.bytes.begin() + a.start * a.size, a.bytes.begin() + (a.start + a.n) * a.size);
+}
+
+// The step cases through the scalar kernel, written to `path`; every other ISA must agree.
+void write_steps(const char* path, const std::vector<const Isa*>& isas) {
+  const std::vector<Case> cases = step_cases();
+  std::vector<unsigned char> out = {'A', 'D', 'A', 'M', 'S', 'T', 'E', 'P'};
+  put_u32(out, 1);
+  put_u32(out, static_cast<uint32_t>(cases.size()));
+  std::vector<long> agreeing(isas.size(), 0);
+  for (const Case& c : cases) {
+    const Call& k = c.call;
+    const Hyper& h = k.hyper;
+    const Tuple inputs = make_inputs(c);
+    const Tuple result = run_case(isas.back()->kernel, c, inputs, Mode::flushed);
+    guards_untouched(result, inputs, "scalar " + describe(c));
+    for (size_t i = 0; i + 1 < isas.size(); ++i) {
+      const Tuple t = run_case(isas[i]->kernel, c, inputs, Mode::flushed);
+      const std::string what = std::string(isas[i]->name) + " " + describe(c);
+      if (guards_untouched(t, inputs, what) && same_results(t, result, what)) ++agreeing[i];
+    }
+    const auto code = [](DType d) {
+      return static_cast<unsigned char>(d == DType::f32 ? 0 : d == DType::bf16 ? 1 : 2);
+    };
+    const bool own_out = !inputs.a[4].bytes.empty();
+    const int flags =
+        (k.out ? 1 : 0) | (k.out && !own_out ? 2 : 0) | (h.stochastic_rounding ? 4 : 0) | (h.lerp_from_grad ? 8 : 0);
+    int variant = 0;
+    while (variant < 5 && c.variant != &kVariants[variant]) ++variant;
+    if (variant == 5 && c.data == Data::edge_l2) variant = 6;
+    out.insert(out.end(),
+               {code(k.layout.param), code(k.layout.grad), code(k.layout.state), static_cast<unsigned char>(c.data),
+                static_cast<unsigned char>(flags), static_cast<unsigned char>(variant), 0, 0});
+    for (const uint32_t u : {static_cast<uint32_t>(k.n), k.first_counter, k.key, k.key_after_wrap,
+                             static_cast<uint32_t>(k.counter_wrap)}) {
+      put_u32(out, u);
+    }
+    for (const float x : {h.step_size, h.inv_bc2_sqrt, h.eps, h.decay, h.l2, h.grad_scale, h.one_minus_beta1,
+                          h.one_minus_weight, h.beta2, h.one_minus_beta2}) {
+      put_u32(out, to_bits(x));
+    }
+    for (const int a : {0, 1, 2, 3, 5}) put_elements(out, inputs.a[a]);
+    for (const int a : {0, 1, 2, 3, 4, 5}) put_elements(out, result.a[a]);
+  }
+  for (size_t i = 0; i + 1 < isas.size(); ++i) {
+    std::printf("%s: %ld of %zu step cases bitwise equal to scalar\n", isas[i]->name, agreeing[i], cases.size());
+    if (agreeing[i] == static_cast<long>(cases.size())) ++checks_passed;
+  }
+  FILE* f = std::fopen(path, "wb");
+  const bool ok = f != nullptr && std::fwrite(out.data(), 1, out.size(), f) == out.size();
+  if (f) std::fclose(f);
+  if (!ok) {
+    fail(std::string("cannot write ") + path);
+    return;
+  }
+  ++checks_passed;
+  std::printf("wrote %zu steps of the scalar kernel (%zu bytes) to %s\n", cases.size(), out.size(), path);
 }
 
 // ---- the scalar kernel's results across architectures ----
@@ -252,18 +435,6 @@ __attribute__((noinline)) float multiply(float a, float b) {
   volatile float x = a, y = b;
   volatile float product = x * y;
   return product;
-}
-
-float from_bits(uint32_t u) {
-  float x;
-  std::memcpy(&x, &u, sizeof x);
-  return x;
-}
-
-uint32_t to_bits(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  return u;
 }
 
 void check_flushing(const std::vector<const Isa*>& isas) {
@@ -331,6 +502,7 @@ long sve_vector_bits() {
 int main(int argc, char** argv) {
   const char* write_path = nullptr;
   const char* check_path = nullptr;
+  const char* steps_path = nullptr;
   const char* expect_isas = nullptr;
   const char* expect_active = nullptr;
   const char* only = nullptr;
@@ -344,7 +516,7 @@ int main(int argc, char** argv) {
     }
     if (i + 1 >= argc) {
       std::fprintf(stderr,
-                   "usage: %s [--write-reference F | --check-reference F] [--expect-isas LIST] "
+                   "usage: %s [--write-reference F | --check-reference F | --write-steps F] [--expect-isas LIST] "
                    "[--expect-active NAME] [--expect-sve-bits N]\n",
                    argv[0]);
       return 2;
@@ -354,6 +526,8 @@ int main(int argc, char** argv) {
       write_path = value;
     else if (arg == "--check-reference")
       check_path = value;
+    else if (arg == "--write-steps")
+      steps_path = value;
     else if (arg == "--expect-isas")
       expect_isas = value;
     else if (arg == "--expect-active")
@@ -415,6 +589,11 @@ int main(int argc, char** argv) {
     return failures ? 1 : 0;
   }
   check_flushing(isas);
+  if (steps_path) {
+    write_steps(steps_path, isas);
+    std::printf("driver %s: %d passed, %d failed\n", kArch, checks_passed, failures);
+    return failures ? 1 : 0;
+  }
 
   // --isas LIST: compare only these (the SVE kernels at each further vector length).
   auto selected = [&](const char* name) {
