@@ -56,8 +56,15 @@ def check_saved_moments(where: str, saved: dict[str, Tensor], shape: tuple[int, 
         raise ValueError(f"{where}: the saved state has {', '.join(present)} but no {', '.join(missing)}")
     numel = math.prod(shape)
     eight_bit = saved["exp_avg"].dtype == torch.uint8
-    if eight_bit != (SCALES in saved):
-        raise ValueError(f"{where}: 8-bit (uint8) moments come with their {SCALES}, float moments without")
+    if eight_bit and SCALES not in saved:
+        raise ValueError(
+            f"{where}: 8-bit (uint8) moments without their {SCALES} or block exponents: the codes mean nothing "
+            "without them. A checkpointer that rebuilds the state dict from the keys of optimizer.state (as "
+            "torchtitan's does) drops the exponents CPUAdam saves for DTensor params; load through "
+            "torch.distributed.checkpoint's get_state_dict/set_state_dict, or use state_precision='bf16' there"
+        )
+    if not eight_bit and SCALES in saved:
+        raise ValueError(f"{where}: float moments come without {SCALES}, which only 8-bit (uint8) moments have")
     for name in MOMENTS:
         t = saved[name]
         if not isinstance(t, Tensor) or t.numel() != numel or (t.dim() > 1 and tuple(t.shape) != tuple(shape)):

@@ -78,6 +78,19 @@ def test_cpu_adam_refuses_8bit_states_with_a_damaged_scale_tensor():
     assert all(torch.equal(a, b) for a, b in zip(before, _snapshot(target, params)))
 
 
+@pytest.mark.parametrize("target_precision", ["8bit", "bf16"])
+def test_cpu_adam_refuses_8bit_codes_without_their_scales_and_says_where_they_went(target_precision: str):
+    # What a checkpointer that rebuilds the state dict from optimizer.state's keys loads: codes alone.
+    _, source = _cpu_adam("8bit")
+    saved = source.state_dict()
+    saved["state"] = {i: {k: v for k, v in s.items() if k != "state_scales"} for i, s in saved["state"].items()}
+    params, target = _cpu_adam(target_precision)
+    before = _snapshot(target, params)
+    with pytest.raises(ValueError, match=r"without their state_scales or block exponents.*get_state_dict"):
+        target.load_state_dict(saved)
+    assert all(torch.equal(a, b) for a, b in zip(before, _snapshot(target, params)))
+
+
 def _offload() -> tuple[torch.nn.Module, OffloadOptimizer]:
     model = make_model(0)
     opt = OffloadOptimizer(model.parameters(), lr=1e-3, bucket_size=1024)
