@@ -5,7 +5,11 @@ no pass rewrites them.
 The arithmetic is ``torch.nn.utils.clip_grad_norm_``'s (norm_type 2): each tensor's norm (a DTensor's:
 the root of the sum over its mesh's ranks of their shards' squared norms, as torch's ``_NormPartial``
 reduces it), then the norm of those norms, so that the factor is torch's wherever the norms agree.
-Norms of bfloat16 grads are taken in float32 (torch takes them in bfloat16).
+Each tensor's norm is taken in its own dtype, as torch takes it: a bfloat16 grad's is accumulated in
+float32 and rounded to bfloat16 (2^-9 relative), which reads the grad at memory speed; asked for a
+float32 result (``dtype=torch.float32``) torch widens the grad element by element, about 40 times
+slower on the host (48M elements on 2 cores: 144 ms against 3.7). The norms are then combined in
+float32.
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ def total_norm(grads: Sequence[Tensor]) -> Tensor:
 
 def _norms(tensors: list[Tensor], reduced_over: tuple[object, tuple[int, ...]] | None) -> Tensor:
     """Each tensor's norm; for shards, that of the whole tensor: the root of the sum of the ranks' squares."""
-    norms = torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32))
+    norms = torch.stack([norm.float() for norm in torch._foreach_norm(tensors, 2)])
     if reduced_over is None:
         return norms
     mesh, dims = reduced_over

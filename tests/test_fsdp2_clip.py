@@ -46,6 +46,23 @@ def test_max_grad_norm_is_clip_grad_norm_then_the_step(max_grad_norm: float) -> 
     assert (norm > max_grad_norm) == (max_grad_norm == 0.05)  # the case is the one named
 
 
+def test_the_norm_of_bf16_grads_is_torchs_to_bf16_precision() -> None:
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(n).bfloat16()) for n in (300_001, 4097, 7)]
+    for p, scale in zip(params, (1e-3, 10.0, 1e4)):  # tensors whose norms differ by orders of magnitude
+        p.grad = (torch.randn(p.shape) * scale).bfloat16()
+    optimizer = CPUAdam(params, **HYPER, state_precision="bf16", max_grad_norm=1.0)
+    optimizer.step()
+    exact = torch.linalg.vector_norm(torch.cat([p.grad.double() for p in params]))
+    copies = [nn.Parameter(p.detach().clone()) for p in params]
+    for copy, p in zip(copies, params):
+        copy.grad = p.grad.clone()
+    theirs = torch.nn.utils.clip_grad_norm_(copies, 1.0)
+    assert optimizer.grad_norm.dtype == torch.float32
+    assert abs(float(optimizer.grad_norm) / float(exact) - 1) < 2.0**-8
+    assert abs(float(optimizer.grad_norm) / float(theirs) - 1) < 2.0**-7
+
+
 def test_max_grad_norm_is_checked() -> None:
     params = [nn.Parameter(torch.ones(3))]
     for bad, error in ((0.0, ValueError), (float("inf"), ValueError), ("1", TypeError), (True, TypeError)):
