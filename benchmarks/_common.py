@@ -20,6 +20,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TextIO
 
 import torch
@@ -289,11 +290,88 @@ def deepspeed_adam() -> tuple[type | None, str]:
     return DeepSpeedCPUAdam, f"deepspeed {deepspeed.__version__}"
 
 
-def load_deepspeed_op(cls: type) -> tuple[bool, str]:
-    """Builds (first time, about a minute) or loads DeepSpeed's cpu_adam op by making one optimizer."""
+def load_deepspeed_op(cls: type) -> tuple[bool, str, dict[str, object] | None]:
+    """Builds (first time, about a minute) or loads DeepSpeed's cpu_adam op by making one optimizer.
+
+    Returns whether it loaded, a line saying how long it took, and how the op was built (deepspeed_build).
+    """
     start = time.perf_counter()
     try:
-        cls([torch.nn.Parameter(torch.zeros(8))])
+        with peers_quiet():
+            opt = cls([torch.nn.Parameter(torch.zeros(8))])
     except Exception as exc:  # a failed JIT build surfaces as many exception types
-        return False, f"build failed: {type(exc).__name__}: {exc}"[:200]
-    return True, f"op loaded in {time.perf_counter() - start:.1f} s"
+        return False, f"build failed: {type(exc).__name__}: {exc}"[:200], None
+    return True, f"op loaded in {time.perf_counter() - start:.1f} s", deepspeed_build(opt.ds_opt_adam)
+
+
+# DeepSpeed's op builder picks its Adam kernel's vectors with one of these macros (simd_width() in
+# op_builder/builder.py): __AVX512__ where the CPU has AVX-512F, else __AVX256__ where it has AVX2.
+# Its AVX2 kernel has no bf16 path: bf16 params or states step in its scalar loop.
+DEEPSPEED_SIMD = {
+    "__AVX512__": "AVX-512 (16 fp32 lanes, bf16 vectorized)",
+    "__AVX256__": "AVX2 (8 fp32 lanes; bf16 in its scalar loop)",
+    "__SVE__": "SVE",
+    "__NEON__": "NEON (4 fp32 lanes)",
+    "__SCALAR__": "scalar",
+}
+
+
+def deepspeed_build(op: Any) -> dict[str, object]:
+    """How a loaded DeepSpeed op module was compiled: -march, the SIMD macro, and the ISA they give.
+
+    A JIT-built op's flags are read from the build.ninja beside it (what ninja ran); an op installed
+    prebuilt (DS_BUILD_CPU_ADAM=1 at install) carries no record of them, and says so.
+    """
+    import deepspeed
+
+    so = Path(getattr(op, "__file__", "") or "")
+    ninja = so.parent / "build.ninja"
+    info: dict[str, object] = {"deepspeed": deepspeed.__version__, "op": so.name}
+    if not ninja.is_file():
+        return info | {"built": "prebuilt", "flags": [], "isa": "unknown (prebuilt op, flags not recorded)"}
+    cflags = next(
+        (row.split("=", 1)[1].split() for row in ninja.read_text().splitlines() if row.startswith("cflags")), []
+    )
+    flags = [f for f in cflags if f.startswith(("-march", "-mcpu", "-mno-")) or f[2:] in DEEPSPEED_SIMD]
+    simd = next((f[2:] for f in flags if f[2:] in DEEPSPEED_SIMD), "__SCALAR__")
+    return info | {"built": "JIT", "flags": flags, "isa": DEEPSPEED_SIMD[simd]}
+
+
+def describe_deepspeed_build(build: dict[str, object]) -> str:
+    """'deepspeed 0.19.8, op JIT-built with -march=native -D__AVX512__: AVX-512 (...)'."""
+    flags = " ".join(map(str, build["flags"]))
+    how = f"JIT-built with {flags}" if build["built"] == "JIT" else "prebuilt"
+    return f"deepspeed {build['deepspeed']}, op {build['op']} {how}: {build['isa']}"
+
+
+def deepspeed_adam_avx2(cls: type) -> type:
+    """DeepSpeedCPUAdam on an op built as DeepSpeed builds it on an x86 CPU without AVX-512.
+
+    Its own builder, named cpu_adam_avx2 so it JIT-builds beside the native op and loads in the
+    same process: DeepSpeed's flags (-march=native ... -D__AVX256__, the macro its simd_width()
+    gives where AVX-512F is missing) with -mno-avx512f after them, so the compiler emits no
+    AVX-512 either. DeepSpeed has no setting for this; the builder is swapped in while the
+    optimizer is made (DeepSpeedCPUAdam loads its op in __init__ and keeps it).
+    """
+    import deepspeed.ops.adam.cpu_adam as ds_module
+
+    native = ds_module.CPUAdamBuilder
+
+    class AVX2Builder(native):  # type: ignore[misc, valid-type]
+        NAME = "cpu_adam_avx2"
+
+        def simd_width(self) -> str:
+            return "-D__AVX256__"
+
+        def cxx_args(self) -> list[str]:
+            return [*super().cxx_args(), "-mno-avx512f"]
+
+    class DeepSpeedCPUAdamAVX2(cls):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            ds_module.CPUAdamBuilder = AVX2Builder
+            try:
+                super().__init__(*args, **kwargs)
+            finally:
+                ds_module.CPUAdamBuilder = native
+
+    return DeepSpeedCPUAdamAVX2

@@ -4,6 +4,7 @@
     python benchmarks/bench_step.py                      # 2^26 params, all threads, about a minute
     python benchmarks/bench_step.py --size 2^20 --threads sweep --json out.json --plot out.png
     python benchmarks/bench_step.py --sections step --states bf16,8bit   # 8-bit states next to bf16
+    python benchmarks/bench_step.py --sections step --deepspeed-avx2   # also DeepSpeed's AVX2 build of its op
 
 Two sections, each a set of interleaved groups (one group per dtype config, allocated and
 freed in turn so the peak stays near one config's buffers times its contenders):
@@ -38,6 +39,8 @@ from _common import (
     Progress,
     Step,
     deepspeed_adam,
+    deepspeed_adam_avx2,
+    describe_deepspeed_build,
     format_table,
     interleave,
     load_deepspeed_op,
@@ -63,8 +66,12 @@ CLIP_SCALES = (0.5, 2.0)
 
 PROBE, CPU_ADAM = "probe", "cpu_adam"
 TORCH_FOREACH, TORCH_FUSED, DEEPSPEED = "torch AdamW foreach", "torch AdamW fused", "DeepSpeedCPUAdam"
+# DeepSpeed's op as its builder makes it on an x86 CPU without AVX-512 (--deepspeed-avx2).
+DEEPSPEED_AVX2 = "DeepSpeedCPUAdam AVX2 build"
 BNB8, TORCHAO8 = "bitsandbytes AdamW8bit", "torchao AdamW8bit"
-PEERS = (TORCH_FOREACH, TORCH_FUSED, DEEPSPEED)
+PEERS = (TORCH_FOREACH, TORCH_FUSED, DEEPSPEED, DEEPSPEED_AVX2)
+# How each DeepSpeed op that loaded was built (deepspeed_build), for the header and the JSON.
+DEEPSPEED_BUILDS: dict[str, dict] = {}
 PEERS8 = (BNB8, TORCHAO8)  # 8-bit states only
 # The 8-bit peers take 60-500 ns per param on the CPU (4-30 s per step at 2^26): they run on a
 # slice of at most this many params, in the same rounds, and are compared per param. Smaller
@@ -203,6 +210,8 @@ def peer_optimizer(name: str, param: Tensor, grad: Tensor, state: torch.dtype) -
     ds_cls, _ = deepspeed_adam()
     if ds_cls is None or (state != F32 and state != param.dtype):
         return None
+    if name == DEEPSPEED_AVX2:
+        ds_cls = deepspeed_adam_avx2(ds_cls)
     return ds_cls([p], **HYPER, adamw_mode=True, fp32_optimizer_states=state == F32)
 
 
@@ -355,7 +364,8 @@ def offload_rows(label: str, group: list[tuple[Contender, str]], n: int, threads
 
 
 def print_step_table(rows: list[dict], peers_status: dict[str, str]) -> None:
-    peers = PEERS + (PEERS8 if any(r["config"].endswith(SHORT[Q8]) for r in rows) else ())
+    peers = tuple(p for p in PEERS if p != DEEPSPEED_AVX2 or peers_status[p] != "not asked for")
+    peers += PEERS8 if any(r["config"].endswith(SHORT[Q8]) for r in rows) else ()
     headers = ["params/grads/states", "implementation", "ms/step", "ns/param", "GB/s", "B/param", "% of probe"]
     headers += [f"vs {p}" for p in peers] + ["IQR"]
     body = []
@@ -409,10 +419,13 @@ def print_offload_table(rows: list[dict]) -> None:
     print(format_table(headers, body))
 
 
-def peer_status(skip_deepspeed: bool, with_8bit: bool) -> tuple[dict[str, bool], dict[str, str]]:
+def peer_status(
+    skip_deepspeed: bool, with_8bit: bool, deepspeed_avx2: bool = False
+) -> tuple[dict[str, bool], dict[str, str]]:
     """Which peers run, and for those that cannot, what the table says instead of a speedup."""
-    on = {TORCH_FOREACH: True, TORCH_FUSED: True, DEEPSPEED: False, BNB8: False, TORCHAO8: False}
+    on = {TORCH_FOREACH: True, TORCH_FUSED: True, DEEPSPEED: False, DEEPSPEED_AVX2: False, BNB8: False, TORCHAO8: False}
     status = {name: "n/a (dtypes)" for name in PEERS + PEERS8}
+    status[DEEPSPEED_AVX2] = "not asked for"
     for name, module in ((BNB8, "bitsandbytes"), (TORCHAO8, "torchao.optim")):
         if not with_8bit:
             status[name] = "skipped"
@@ -423,21 +436,31 @@ def peer_status(skip_deepspeed: bool, with_8bit: bool) -> tuple[dict[str, bool],
         else:
             status[name] = "not installed"
     ds_cls, why = deepspeed_adam()
+    builds = [(DEEPSPEED, ds_cls)]
+    if deepspeed_avx2:
+        status[DEEPSPEED_AVX2] = "n/a (dtypes)"
+        if ds_cls is not None:
+            builds.append((DEEPSPEED_AVX2, deepspeed_adam_avx2(ds_cls)))
     if skip_deepspeed:
         status[DEEPSPEED] = "skipped"
     elif ds_cls is None:
         status[DEEPSPEED] = why
+        if deepspeed_avx2:
+            status[DEEPSPEED_AVX2] = why
     else:
-        print(
-            f"DeepSpeedCPUAdam ({why}): loading its op; the first run builds it, a silent minute or more ...",
-            file=sys.stderr,
-            flush=True,
-        )
-        ok, message = load_deepspeed_op(ds_cls)
-        print(f"DeepSpeedCPUAdam: {why}, {message}", file=sys.stderr)
-        on[DEEPSPEED] = ok
-        if not ok:
-            status[DEEPSPEED] = "build failed"
+        for name, cls in builds:
+            print(
+                f"{name} ({why}): loading its op; the first run builds it, a silent minute or more ...",
+                file=sys.stderr,
+                flush=True,
+            )
+            ok, message, build = load_deepspeed_op(cls)
+            print(f"{name}: {why}, {message}", file=sys.stderr)
+            on[name] = ok
+            if ok:
+                DEEPSPEED_BUILDS[name] = build
+            else:
+                status[name] = "build failed"
     return on, status
 
 
@@ -514,6 +537,7 @@ COLORS = {
     TORCH_FUSED + " 3 passes": "#ff7f0e",
     DEEPSPEED: "#d62728",
     DEEPSPEED + " 3 passes": "#d62728",
+    DEEPSPEED_AVX2: "#ff9896",
 }
 
 
@@ -560,6 +584,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sections", default="step,offload", help="comma list of: step, offload")
     parser.add_argument("--states", default="fp32,bf16,8bit", help="step configs by state precision (comma list)")
     parser.add_argument("--no-deepspeed", action="store_true", help="leave DeepSpeedCPUAdam out even if installed")
+    parser.add_argument(
+        "--deepspeed-avx2",
+        action="store_true",
+        help="also DeepSpeedCPUAdam on its op built as on a CPU without AVX-512 (x86; a second JIT build)",
+    )
     parser.add_argument("--no-8bit-peers", action="store_true", help="leave bitsandbytes' and torchao's AdamW8bit out")
     parser.add_argument("--json", metavar="PATH", help="write every figure (and the raw step times) here")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG of ns/param per config and implementation")
@@ -570,10 +599,15 @@ def main(argv: list[str] | None = None) -> None:
     sections = args.sections.split(",")
     thread_counts = parse_threads(args.threads)
     peers_on, peers_status = peer_status(
-        args.no_deepspeed, "step" in sections and "8bit" in args.states.split(",") and not args.no_8bit_peers
+        args.no_deepspeed,
+        "step" in sections and "8bit" in args.states.split(",") and not args.no_8bit_peers,
+        args.deepspeed_avx2 and not args.no_deepspeed,
     )
     info = machine() | {"isa": ops.active_isa(), "size": n, "rounds": args.rounds, "warmup": args.warmup}
+    info["deepspeed_builds"] = DEEPSPEED_BUILDS
     print(f"# {info['cpu']}, {info['cpus']} cpus, torch {info['torch']}, cpu_adam ISA {info['isa']}")
+    for name, build in DEEPSPEED_BUILDS.items():
+        print(f"# {name}: {describe_deepspeed_build(build)}")
     print(f"# {size_label(n)} params, {args.rounds} interleaved rounds after {args.warmup} warmup")
 
     states = args.states.split(",")
