@@ -4,6 +4,7 @@
 #   bit, at sizes around every vector width and the 8-bit block, every dtype layout, option set and
 #   special value, misaligned, in guard zones) built with GCC and with Clang, each with
 #   -fsanitize=address,undefined -fno-sanitize-recover=all and the project's flags;
+# - the steps the driver writes for the device kernel's tests (--write-steps), under the same checks;
 # - the libFuzzer targets, from the seeds that seeds.py writes, for a fixed time: fuzz_adam.cpp
 #   (each ISA against scalar on calls decoded from the input) and fuzz_overlap.cpp
 #   (csrc/memory_overlap.cpp against a brute-force enumeration of addresses).
@@ -87,6 +88,8 @@ export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 check "gcc, ASan+UBSan: every ISA against scalar" env ASAN_OPTIONS=$asan=0 "$work/driver-gcc"
 check "clang, ASan+UBSan: every ISA against scalar" env ASAN_OPTIONS=$asan=1 "$work/driver-clang"
 grep -E "supported|cases bitwise" "$work/out" | sed 's/^/     /' || true
+check "clang, ASan+UBSan: the device kernel's steps written (--write-steps)" env ASAN_OPTIONS=$asan=1 \
+  "$work/driver-clang" --write-steps "$work/steps.bin"
 export ASAN_OPTIONS=$asan=1
 
 # libFuzzer: new inputs go to a scratch corpus, the seeds are read only. A crash leaves its input
