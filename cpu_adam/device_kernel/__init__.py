@@ -160,8 +160,7 @@ def add_launch(
     param, grad, exp_avg, exp_avg_sq, out, scales = tensors
     assert param is not None and grad is not None and exp_avg is not None and exp_avg_sq is not None
     block, rows = _TILE["cuda" if param.device.type == "cuda" else "cpu"]
-    floats = [_flushed(x) for x in (h.step_size, h.inv_bc2_sqrt, h.eps, h.decay, h.l2, h.grad_scale)]
-    floats += [_flushed(x) for x in (h.one_minus_beta1, h.one_minus_weight, h.beta2, h.one_minus_beta2)]
+    floats = _kernel_scalars(h)
     flags = dict(HAS_L2=h.l2 != 0.0, LERP_FROM_GRAD=h.lerp_from_grad, BEFORE_ROUNDING=before_rounding)
     eight_bit = scales is not None
     kernel = for_device(kernels.adam_q8_kernel if eight_bit else kernels.adam_kernel, param.device)
@@ -208,6 +207,14 @@ adam_step = _run_at_once(prepare_step)
 def _folded(*scalars: Any) -> ops.FoldedHyper:
     names = ("step", "lr", "beta1", "beta2", "eps", "weight_decay", "adamw_mode", "bias_correction", "grad_scale")
     return ops.fold_hyper(**dict(zip(names, scalars)))
+
+
+@functools.lru_cache(maxsize=64)
+def _kernel_scalars(h: ops.FoldedHyper) -> tuple[float, ...]:
+    """The folded scalars in the kernels' argument order, as the host reads them."""
+    scalars = (h.step_size, h.inv_bc2_sqrt, h.eps, h.decay, h.l2, h.grad_scale)
+    scalars += (h.one_minus_beta1, h.one_minus_weight, h.beta2, h.one_minus_beta2)
+    return tuple(_flushed(x) for x in scalars)
 
 
 @functools.lru_cache(maxsize=256)
