@@ -112,19 +112,23 @@ def cpu_adam_settings(name: str) -> dict[str, Any] | None:
 
 
 def fsdp2_settings(name: str) -> dict[str, Any] | None:
-    """The FSDP2 contender a name gives: ``fsdp2:adamw[-foreach]`` or ``fsdp2:SHARDS/STATES`` (CPUAdam)."""
+    """The FSDP2 contender a name gives: ``fsdp2:adamw[-foreach]`` or ``fsdp2:SHARDS/STATES[/inside][/behind]``
+    (CPUAdam)."""
     name = ALIASES.get(name, name)
     if not name.startswith("fsdp2:"):
         return None
     if name in FSDP2_ADAMW:
         return dict(optimizer="adamw", fused=FSDP2_ADAMW[name], shards=torch.float32)
     shards, states, *rest = [*name.removeprefix("fsdp2:").split("/"), ""]
-    if shards not in ("fp32", "sr") or states not in ("fp32", "bf16", "8bit") or rest not in ([""], ["inside", ""]):
+    rest = [token for token in rest if token]
+    if shards not in ("fp32", "sr") or states not in ("fp32", "bf16", "8bit") or set(rest) - {"inside", "behind"}:
         raise SystemExit(
-            f"{name}: fsdp2:adamw, fsdp2:adamw-foreach, or fsdp2:SHARDS/STATES[/inside] with SHARDS fp32 or sr"
+            f"{name}: fsdp2:adamw, fsdp2:adamw-foreach, or fsdp2:SHARDS/STATES[/inside][/behind] with SHARDS fp32 or sr"
         )
     options = dict(state_precision=states, stochastic_rounding=shards == "sr")
-    return dict(optimizer="cpu_adam", shards=MASTERS[shards], clip_inside=rest[0] == "inside", **options)
+    return dict(
+        optimizer="cpu_adam", shards=MASTERS[shards], clip_inside="inside" in rest, behind="behind" in rest, **options
+    )
 
 
 def host_step_bytes(options: dict[str, Any]) -> float:
@@ -319,7 +323,7 @@ class CpuAdamOffload(Contender):
 class FSDP2(Contender):
     """FSDP2 on a world of one with CPUOffloadPolicy: the optimizer steps the shards on the host. fp32 shards compute
     in bf16 and reduce their grads in fp32 (``MixedPrecisionPolicy``), as torchtitan does; bf16 shards are the model's
-    own dtype."""
+    own dtype. ``/behind``: CPUAdam's step runs behind the next forward (``cpu_adam.fsdp2.step_behind_forward``)."""
 
     def __init__(self, model: torch.nn.Module, settings: dict[str, Any]) -> None:
         super().__init__(model)
@@ -340,6 +344,7 @@ class FSDP2(Contender):
             fully_shard(block, mesh=mesh, **policy)
         fully_shard(model, mesh=mesh, **policy)
         groups = param_groups(model, WEIGHT_DECAY)
+        self.behind = None
         if settings["optimizer"] == "cpu_adam":
             from cpu_adam import CPUAdam
 
@@ -347,15 +352,56 @@ class FSDP2(Contender):
             if settings["clip_inside"]:
                 options["max_grad_norm"] = MAX_NORM
             self.opt = CPUAdam(groups, lr=LR, betas=BETAS, **options)
+            if settings["behind"]:
+                from cpu_adam.fsdp2 import step_behind_forward
+
+                self.behind = step_behind_forward(model, self.opt)
+                self.extra["kernel_threads"] = self.behind.threads
+            self._time_the_host_step()
         else:
             self.opt = torch.optim.AdamW(groups, lr=LR, betas=BETAS, fused=settings["fused"])
         self.extra["shards"] = str(shards).removeprefix("torch.")
         self.extra["note"] = f"{type(self.opt).__name__} {settings}"
 
+    def _time_the_host_step(self) -> None:
+        """The norm's and the kernel's seconds inside CPUAdam's step (the serial kernel; behind: the units')."""
+        import cpu_adam.optimizer as optimizer_module
+
+        self.host_clock = {"norm": 0.0, "kernel": 0.0}
+        for name, key in (("total_norm", "norm"), ("adam_step_groups", "kernel")):
+            real = getattr(optimizer_module, name)
+
+            def timed(*args: Any, _real: Any = real, _key: str = key, **kwargs: Any) -> Any:
+                t = time.perf_counter()
+                try:
+                    return _real(*args, **kwargs)
+                finally:
+                    self.host_clock[_key] += time.perf_counter() - t
+
+            setattr(optimizer_module, name, timed)
+
     def step(self) -> None:
         if MAX_NORM is not None and getattr(self.opt, "max_grad_norm", None) is None:
+            t = time.perf_counter()
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), MAX_NORM)
+            clip_s = time.perf_counter() - t
+        if hasattr(self, "host_clock"):
+            self.host_clock.update(norm=0.0, kernel=0.0)
         self.opt.step()
+        if hasattr(self, "host_clock"):
+            self.host_split = {"norm": self.host_clock["norm"], "kernel": self.host_clock["kernel"]}
+            if MAX_NORM is not None and self.opt.max_grad_norm is None:
+                self.host_split["norm"] = clip_s
+
+    def settle(self) -> float:
+        """Seconds until the step in flight is done (0 for a serial step); its units' kernel time to host_split."""
+        if self.behind is None:
+            return 0.0
+        t = time.perf_counter()
+        self.behind.wait()
+        waited = time.perf_counter() - t
+        self.host_split["kernel"] = sum(self.behind.unit_seconds.values())
+        return waited
 
     def zero_grad(self) -> None:
         self.opt.zero_grad()
@@ -406,12 +452,39 @@ def memcpy_stats(run_step: Callable[[], None]) -> dict[str, dict[str, float]]:
     return out
 
 
-def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
+def cap_device_memory(gib: float | None) -> dict[str, Any]:
+    """A GPU of ``gib`` GiB: this process's allocator refuses more (``set_per_process_memory_fraction``)."""
+    if not gib or not on_cuda():
+        return {}
+    total = torch.cuda.get_device_properties(0).total_memory
+    fraction = min(1.0, gib * 2**30 / total)
+    torch.cuda.set_per_process_memory_fraction(fraction)
+    return {"memory_cap_bytes": int(fraction * total), "memory_fraction": fraction}
+
+
+def build_model(args: argparse.Namespace, on_host: bool, fsdp2: bool) -> torch.nn.Module:
+    """The GPT in bf16: built on the device, or (``on_host``) in bf16 in host RAM, so that a GPU too small for the
+    float32 model can hold the bf16 one (moved up whole) or, under FSDP2, never holds it whole (fully_shard moves
+    each unit up, shards it and offloads the shards)."""
     torch.manual_seed(0)
     device = torch.device("cuda" if on_cuda() else "cpu")
-    with device:
+    if not on_host:
+        with device:
+            model = GPT(args.vocab, args.dim, args.layers, args.heads, args.seq)
+        return model.to(torch.bfloat16)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
         model = GPT(args.vocab, args.dim, args.layers, args.heads, args.seq)
-    model.to(torch.bfloat16)
+    finally:
+        torch.set_default_dtype(default)
+    return model if fsdp2 else model.to(device)
+
+
+def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    capped = cap_device_memory(args.memory_cap_gib)
+    device = torch.device("cuda" if on_cuda() else "cpu")
+    model = build_model(args, args.build_on_host, fsdp2_settings(name) is not None)
     params = sum(p.numel() for p in model.parameters())
     gen = torch.Generator().manual_seed(1)
     data = [torch.randint(args.vocab, (args.batch, args.seq + 1), generator=gen) for _ in range(4)]
@@ -446,7 +519,9 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
     phases: dict[str, list[float]] = {k: [] for k in ("forward", "backward", "step_call", "upload_tail")}
     host: dict[str, list[float]] = {}
+    settle = getattr(c, "settle", lambda: 0.0)  # a step behind the forward: its forward timed alone
     for i in range(args.split_steps):
+        settle()
         sync()
         ta = time.perf_counter()
         loss = c.loss(data[i % len(data)])
@@ -459,14 +534,16 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
         td = time.perf_counter()
         sync()
         te = time.perf_counter()
+        host.setdefault("step_after_call", []).append(settle())  # what a step behind the forward has left
         c.zero_grad()
         for key, value in zip(phases, (tb - ta, tc - tb, td - tc, te - td)):
             phases[key].append(value)
         for key, value in c.host_split.items():
             host.setdefault(key, []).append(value)
 
-    if args.record_timeline and isinstance(c, CpuAdamOffload):
-        record_timeline(c, data[0], os.path.join(args.record_timeline, f"{name.replace('/', '_')}.json"))
+    if args.record_timeline and isinstance(c, (CpuAdamOffload, FSDP2)):
+        path = os.path.join(args.record_timeline, f"{name.replace('/', '_').replace(':', '_')}.json")
+        (record_timeline if isinstance(c, CpuAdamOffload) else record_fsdp2_timeline)(c, data[0], path)
     copies = memcpy_stats(lambda: train_step(0))
     peak = device_memory(peak=True)
     rss = rss_bytes()
@@ -487,18 +564,20 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "host_rss_bytes_per_param": (rss - rss0) / params,
         "copies": copies,
         "final_loss": float(last_loss),
+        **capped,
         **c.extra,
     }
 
 
 class _Marks:
-    """Points in time on the device's compute stream (CUDA events), or the host's clock on the CPU."""
+    """Points in time on the device's compute stream (CUDA events), or the host's clock on the CPU (or if asked)."""
 
-    def __init__(self) -> None:
+    def __init__(self, host_clock: bool = False) -> None:
         self.marks: list[tuple[str, Any]] = []
+        self.events = on_cuda() and not host_clock
 
     def mark(self, label: str) -> None:
-        if on_cuda():
+        if self.events:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
             self.marks.append((label, event))
@@ -508,7 +587,7 @@ class _Marks:
     def seconds(self) -> list[tuple[str, float]]:
         sync()
         start = self.marks[0][1]
-        if on_cuda():
+        if self.events:
             return [(label, start.elapsed_time(e) * 1e-3) for label, e in self.marks]
         return [(label, t - start) for label, t in self.marks]
 
@@ -553,6 +632,71 @@ def record_timeline(c: CpuAdamOffload, tokens: torch.Tensor, path: str) -> None:
         "memory_stats": c.opt.memory_stats(),
         "max_grad_norm": MAX_NORM,
         "last_grad_norm": c.opt.last_grad_norm,
+    }
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(timeline, f, indent=1)
+
+
+def record_fsdp2_timeline(c: FSDP2, tokens: torch.Tensor, path: str) -> None:
+    """Two steps' timeline, for bench_fsdp2_replay.py: each unit's forward on the device's clock (from its FSDP2
+    pre-forward to the next unit's), the backward, the step() call; the host step's parts (norm, kernel, each unit's
+    kernel time behind the forward); then, behind the forward, when each unit's gather began after step() returned."""
+    blocks = list(c.model.blocks)
+    marks = _Marks()
+    hooks = [
+        block.register_forward_pre_hook(lambda m, a, i=i: marks.mark(f"unit {i}")) for i, block in enumerate(blocks)
+    ]
+    try:
+        c.settle()
+        sync()
+        marks.mark("start")
+        loss = c.loss(tokens)
+        marks.mark("forward")
+        c.backward(loss)
+        marks.mark("backward")
+        c.step()
+        marks.mark("step")
+        host = dict(c.host_split)
+        host_ms = {"step_after_call": c.settle(), **host}
+        c.zero_grad()
+        seconds = marks.seconds()
+        behind: list[tuple[str, float]] = []
+        if c.behind is not None:  # a second step: the forward right after step() returned, on the host's clock
+            loss = c.loss(tokens)
+            c.backward(loss)
+            host_marks = _Marks(host_clock=True)
+            host_marks.mark("start")
+            hooks += [
+                block.register_forward_pre_hook(lambda m, a, i=i: host_marks.mark(f"unit {i}"))
+                for i, block in enumerate(blocks)
+            ]
+            c.step()
+            host_marks.mark("step")
+            c.loss(tokens).detach()
+            host_marks.mark("forward")
+            behind = host_marks.seconds()
+            c.settle()
+            host_ms["unit_seconds"] = c.behind.unit_seconds
+            host_ms["order"] = c.behind.order
+            c.zero_grad()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    at = dict(seconds)
+    units = [t for label, t in seconds if label.startswith("unit")]
+    timeline = {
+        "forward_s": at["forward"],
+        "root_before_first_unit_s": units[0] if units else 0.0,
+        "unit_forward_s": [b - a for a, b in zip(units, [*units[1:], at["forward"]])],
+        "unit_numels": [sum(p.numel() for p in block.parameters()) for block in blocks],
+        "root_numel": sum(p.numel() for p in c.model.parameters())
+        - sum(p.numel() for b in blocks for p in b.parameters()),
+        "backward_s": at["backward"] - at["forward"],
+        "step_s": at["step"] - at["backward"],
+        "host": host_ms,
+        "behind_host_clock": behind,
+        "max_grad_norm": MAX_NORM,
     }
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
@@ -676,6 +820,15 @@ def report(results: list[dict[str, Any]], probes: dict[str, Any]) -> str:
             f"{down_rate:>10.1f}{up_rate:>8.1f}{down_bp:>9.2f}{up_bp:>7.2f}"
         )
     lines.append("")
+    whole_share = [r for r in ok if (cpu_adam_settings(r["contender"]) or {}).get("device_fraction") == 1.0]
+    for r in ok:
+        settings = fsdp2_settings(r["contender"])
+        if settings is not None and settings["optimizer"] == "cpu_adam":
+            peers = [(o, ref[o]) for o in ("fsdp2:adamw",) if o in ref] + [
+                (w["contender"], w["tokens_per_s"]) for w in whole_share
+            ]
+            vs = ", ".join(f"{r['tokens_per_s'] / t:.2f}x {o}" for o, t in peers)
+            lines.append(f"{r['contender']} tokens/s: {vs}")
     for r in ok:
         if cpu_adam_settings(r["contender"]) is not None:
             mine = r["contender"]
@@ -732,6 +885,8 @@ def main() -> None:
     parser.add_argument("--split-steps", type=int, default=3)
     parser.add_argument("--probe-numel", type=int, default=1 << 27)
     parser.add_argument("--timeout", type=int, default=300, help="seconds per contender")
+    parser.add_argument("--memory-cap-gib", type=float, help="a GPU of this many GiB (the allocator's limit)")
+    parser.add_argument("--build-on-host", action="store_true", help="build the model in bf16 in host RAM")
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--plot", metavar="PATH")
     parser.add_argument("--allow-cpu", action="store_true", help="a smoke run of the CPU-capable contenders")

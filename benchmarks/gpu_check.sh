@@ -6,22 +6,21 @@
 #   bash benchmarks/gpu_check.sh            # from the repository root, on the device machine
 #
 # torchao travels as a wheel in .whl (the device tool's notes say how): it is installed first where present.
-# Stages, in the order of their value:
-#   1. probe: the device kernel's bits (benchmarks/gpu_probe.py, eight processes at once): the NaNs the GPU
-#      writes, every layout against the host kernel (non-NaN and NaN-only differences apart), div_rn and sqrt_rn
-#      over every binade, random keys equal to 1, the ARM rule compiled;
-#   2. tests: the CUDA tests, every one run (no -x: one failure does not hide the rest);
-#   3. clip1: 1.32B, clipping at 1.0: GPU AdamW, torchao, cpu_adam all-host, the device's share ("auto" and 1.0)
-#      at buckets of 2^23 and 2^25 elements, with one step's timeline each for bench_replay.py;
-#   4. fsdp2: FSDP2 with CPUOffloadPolicy at 1.32B: CPUAdam clipping inside its step or after torch's
-#      clip_grad_norm_ (fp32 shards + bf16 moments, bf16-SR shards + bf16
-#      and 8-bit moments) against torch's AdamW(fused=True) on fp32 shards;
-#   5. big: 6.66B (--layers 32 --dim 4096 --heads 32 --batch 4): the share ("auto", 1.0) against torchao.
+# Stages, in the order of their value (clipping at 1.0 throughout):
+#   1. fsdp2: FSDP2 with CPUOffloadPolicy at 1.32B: torch's AdamW(fused=True) on fp32 shards; CPUAdam clipping
+#      inside its step, serial and behind the next forward (bf16-SR shards + bf16 and 8-bit moments, fp32 shards +
+#      bf16 moments); OffloadOptimizer with the whole share, for the ratio; each FSDP2 contender's timeline for
+#      bench_fsdp2_replay.py;
+#   2. cap80: a GPU of 80 GiB (set_per_process_memory_fraction), 6.66B (--layers 32 --dim 4096 --heads 32
+#      --batch 4): OffloadOptimizer "auto" and all on the host, torchao, FSDP2 + CPUAdam behind the forward;
+#   3. cap24: a GPU of 24 GiB at batch 1: 6.66B as above, then 11.6B (--layers 36 --dim 5120 --heads 40), whose
+#      bf16 weights do not fit it: FSDP2 + CPUAdam behind the forward, the model built in host RAM;
+#   4. tests: the CUDA tests, every one run (no -x: one failure does not hide the rest).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp}
 WORK=/tmp/gpu_check
-mkdir -p "$WORK/probe"
+mkdir -p "$WORK"
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
@@ -40,29 +39,24 @@ stage() {  # name, seconds, command...
   echo "   exit $?, $((SECONDS - start)) s"
 }
 
-probe_parts() {  # the C++ kernels build once, then eight parts run at once (timeout runs it through bash -c)
-  python3 -c "from cpu_adam import ops; ops.supported_isas()"
-  for k in 0 1 2 3 4 5 6 7; do
-    python3 benchmarks/gpu_probe.py --part "$k/8" --json "$WORK/probe/part$k.json" > "$WORK/probe/part$k.log" 2>&1 &
-  done
-  wait
-  python3 benchmarks/gpu_probe.py --summary "$WORK"/probe/part*.json
-}
-export -f probe_parts
-export WORK
-
+python3 -c "from cpu_adam import ops; ops.supported_isas()" > "$WORK/build.log" 2>&1  # the kernels, built once
 xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
-bench=(python3 benchmarks/bench_gpu_offload.py --quiet --warmup 2 --steps 3 --split-steps 1)
-stage probe 90 bash -c probe_parts
-stage tests 70 python3 -m pytest -q $xdist -p no:cacheprovider tests/test_device_kernel.py tests/test_offload_cuda.py \
-  tests/test_offload_8bit.py tests/test_offload_overlap.py tests/test_device_share.py -k cuda
-stage clip1 150 "${bench[@]}" --timeout 60 --max-grad-norm 1.0 --json "$WORK/clip1.json" \
-  --record-timeline "$WORK/timelines" --contenders torch_adamw,cpu_adam:sr/bf16/share=1,cpu_adam:sr/bf16/share=auto,\
-cpu_adam:sr/bf16/share=1/bucket=25,cpu_adam:sr/bf16/share=auto/bucket=25,torchao,cpu_adam:sr/bf16
-stage fsdp2 130 "${bench[@]}" --timeout 45 --json "$WORK/fsdp2.json" \
-  --contenders fsdp2:adamw,fsdp2:sr/bf16/inside,fsdp2:sr/bf16,fsdp2:sr/8bit/inside,fsdp2:fp32/bf16/inside
-stage big 120 "${bench[@]}" --timeout 60 --layers 32 --dim 4096 --heads 32 --batch 4 --json "$WORK/big.json" \
-  --contenders cpu_adam:sr/bf16/share=auto,torchao,cpu_adam:sr/bf16/share=1/bucket=25
+bench=(python3 benchmarks/bench_gpu_offload.py --quiet --split-steps 1 --probe-numel 33554432)
+big=(--layers 32 --dim 4096 --heads 32)
+stage fsdp2 170 "${bench[@]}" --warmup 2 --steps 3 --timeout 45 --json "$WORK/fsdp2.json" \
+  --record-timeline "$WORK/timelines" \
+  --contenders fsdp2:sr/bf16/inside/behind,fsdp2:sr/bf16/inside,fsdp2:adamw,cpu_adam:sr/bf16/share=1/bucket=25,\
+fsdp2:sr/8bit/inside/behind,fsdp2:fp32/bf16/inside/behind
+stage cap80 140 "${bench[@]}" --warmup 2 --steps 3 --timeout 45 "${big[@]}" --batch 4 --memory-cap-gib 80 \
+  --json "$WORK/cap80.json" \
+  --contenders cpu_adam:sr/bf16/share=auto/bucket=25,fsdp2:sr/bf16/inside/behind,torchao,cpu_adam:sr/bf16
+stage cap24 85 "${bench[@]}" --warmup 2 --steps 2 --timeout 45 "${big[@]}" --batch 1 --memory-cap-gib 24 \
+  --build-on-host --json "$WORK/cap24.json" --contenders fsdp2:sr/bf16/inside/behind,cpu_adam:sr/bf16/share=auto/bucket=25
+stage cap24_11B 90 "${bench[@]}" --warmup 1 --steps 2 --timeout 85 --layers 36 --dim 5120 --heads 40 --batch 1 \
+  --memory-cap-gib 24 --build-on-host --json "$WORK/cap24_11B.json" --contenders fsdp2:sr/bf16/inside/behind
+stage tests 40 python3 -m pytest -q $xdist -p no:cacheprovider tests/test_fsdp2_behind_cuda.py \
+  tests/test_device_kernel.py tests/test_offload_cuda.py tests/test_offload_8bit.py tests/test_offload_overlap.py \
+  tests/test_device_share.py tests/test_share_moves.py -k cuda
 { cat "$WORK/machine.txt"; for log in "$WORK"/*.log; do echo "== $log"; tail -n 30 "$log"; done; } > "$OUT/summary.txt"
 tar czf "$OUT/gpu_check.tgz" -C /tmp gpu_check
 cat "$OUT/summary.txt"

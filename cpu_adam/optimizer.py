@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
+from torch.optim.optimizer import _global_optimizer_post_hooks
 
 from . import ops, shard_state, shards
 from ._compiled_step import GroupStep, adam_step_groups
@@ -23,6 +25,11 @@ from ._turn import Turn, one_at_a_time
 from ._validation import check_hyper_parameters, check_param_group, check_step_count, checked_seed
 from .grad_norm import check_max_grad_norm, clip_factor, total_norm
 
+if TYPE_CHECKING:
+    from .fsdp2.behind import StepBehindForward
+
+logger = logging.getLogger(__name__)
+
 _OWN_KEYS = (
     "bias_correction",
     "fp32_optimizer_states",
@@ -35,6 +42,7 @@ _UNSUPPORTED_FLAGS = ("amsgrad", "capturable", "differentiable")
 
 
 _local = shards.local
+_EMPTY = GroupStep([], [], [], [], [], 0.0, 0.9, 0.999, 1e-8, 0.0, True, True, 1.0, False, 0, [])
 
 
 def _busy(verb: str) -> RuntimeError:
@@ -166,6 +174,7 @@ class CPUAdam(torch.optim.Optimizer):
 
     @one_at_a_time(_busy)
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self._settled("add_param_group")
         if isinstance(param_group, dict):  # torch's add_param_group refuses anything else
             owner = f"CPUAdam param group {len(self.param_groups)}"
             if "state_precision" in param_group or "fp32_optimizer_states" in param_group:
@@ -183,6 +192,7 @@ class CPUAdam(torch.optim.Optimizer):
     @torch.no_grad()
     @one_at_a_time(_busy)  # not when compiled: a compiled step is one opaque op (_compiled_step.py)
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        behind = self._settled("step")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -194,9 +204,29 @@ class CPUAdam(torch.optim.Optimizer):
                 self._init_group(group, [], [], [], [], [], [], [])
             return loss
         clip = self._clip_factor()
-        groups = [self._group_step(index, group, clip) for index, group in enumerate(self.param_groups)]
-        adam_step_groups("CPUAdam", groups)
+        if clip is None:
+            return loss
+        unit_of = behind.unit_of if behind is not None else None
+        groups = [self._group_steps(index, group, clip, unit_of) for index, group in enumerate(self.param_groups)]
+        if behind is None:
+            adam_step_groups("CPUAdam", [parts.get(0, _EMPTY) for parts in groups])
+            return loss
+        behind.launch(groups)
+        if self._optimizer_step_post_hooks or _global_optimizer_post_hooks:  # they read what the step wrote
+            behind.settle()
         return loss
+
+    def _settled(self, verb: str) -> StepBehindForward | None:
+        """The step behind the forward (if on), with no step of it in flight: what follows sees every unit stepped."""
+        behind = self.__dict__.get("_behind")
+        if behind is not None:
+            if torch.compiler.is_compiling():
+                raise RuntimeError(
+                    f"CPUAdam.{verb}: a step behind the forward runs eagerly; compile the model, not the optimizer's "
+                    "step, or call remove() on the handle of cpu_adam.fsdp2.step_behind_forward"
+                )
+            behind.settle()
+        return behind
 
     def _only_creates_state(self) -> bool:
         """A first step with lr 0 and all-zero grads, torch.distributed.checkpoint's way to create an
@@ -208,8 +238,9 @@ class CPUAdam(torch.optim.Optimizer):
         lrs_zero = all(float(g["lr"]) == 0.0 for g in self.param_groups)
         return bool(grads) and lrs_zero and not any(bool(_local(g).any()) for g in grads)
 
-    def _clip_factor(self) -> float:
-        """What the grads are multiplied by in the step: clip_grad_norm_'s factor with ``max_grad_norm``, else 1."""
+    def _clip_factor(self) -> float | None:
+        """What the grads are multiplied by in the step: clip_grad_norm_'s factor with ``max_grad_norm``, else 1;
+        None where the norm is not finite: the step is skipped (nothing changes; counted in ``skipped_steps``)."""
         max_grad_norm = check_max_grad_norm("CPUAdam", self.max_grad_norm)  # may be set between steps
         if max_grad_norm is None:
             return 1.0
@@ -219,9 +250,20 @@ class CPUAdam(torch.optim.Optimizer):
                 "compile without it and clip with torch.nn.utils.clip_grad_norm_, or step eagerly"
             )
         self.grad_norm = total_norm([p.grad for g in self.param_groups for p in g["params"] if p.grad is not None])
+        if not bool(torch.isfinite(self.grad_norm)):
+            self.skipped_steps = self.__dict__.get("skipped_steps", 0) + 1
+            logger.warning(
+                "cpu_adam.CPUAdam: gradient norm is %s, step skipped (%d skipped so far)",
+                float(self.grad_norm),
+                self.skipped_steps,
+            )
+            return None
         return clip_factor(self.grad_norm, max_grad_norm)
 
-    def _group_step(self, index: int, group: dict[str, Any], clip: float = 1.0) -> GroupStep:
+    def _group_steps(
+        self, index: int, group: dict[str, Any], clip: float = 1.0, unit_of: Callable[[Tensor], int] | None = None
+    ) -> dict[int, GroupStep]:
+        """The group's part of the step: one GroupStep, or one per unit that ``unit_of`` puts its params in."""
         tensors: tuple[list[Tensor], ...] = ([], [], [], [], [], [])  # params, grads, moments, steps, 8-bit scales
         indices: list[int] = []
         self._init_group(group, *tensors, indices)
@@ -231,9 +273,13 @@ class CPUAdam(torch.optim.Optimizer):
         rounded = group["stochastic_rounding"]
         random_bits = [eight_bit or (rounded and p.dtype == torch.bfloat16) for p in group["params"]]
         places = ops.back_to_back(group["params"], ops.group_counter_base(index)) if any(random_bits) else None
-        params, grads, exp_avgs, exp_avg_sqs, steps, scales, offsets, write_backs = ([] for _ in range(8))
+        by_unit: dict[int, tuple[list[Any], ...]] = {}
         for n, i in enumerate(indices):
             p = group["params"][i]
+            unit = unit_of(p) if unit_of is not None else 0
+            params, grads, exp_avgs, exp_avg_sqs, steps, scales, offsets, write_backs = by_unit.setdefault(
+                unit, tuple([] for _ in range(8))
+            )
             parts = shards.pieces(
                 *(each[n] for each in tensors[:4]),
                 tensors[5][n] if eight_bit else None,
@@ -252,12 +298,7 @@ class CPUAdam(torch.optim.Optimizer):
                 offsets.append(part.counter)
                 write_backs.extend(part.write_backs)
         beta1, beta2 = group["betas"]
-        return GroupStep(
-            params,
-            grads,
-            exp_avgs,
-            exp_avg_sqs,
-            steps,
+        hyper = dict(
             lr=group["lr"],
             beta1=float(beta1),
             beta2=float(beta2),
@@ -268,10 +309,17 @@ class CPUAdam(torch.optim.Optimizer):
             grad_scale=-clip if group.get("maximize") else clip,  # maximize: the step climbs the grad
             stochastic_rounding=bool(group["stochastic_rounding"]),
             seed=int(group["seed"]),
-            counter_offsets=offsets if any(random_bits) else [],
-            state_scales=scales,
-            write_backs=write_backs,
         )
+        return {
+            unit: GroupStep(
+                *lists[:5],
+                **hyper,
+                counter_offsets=lists[6] if any(random_bits) else [],
+                state_scales=lists[5],
+                write_backs=lists[7],
+            )
+            for unit, lists in by_unit.items()
+        }
 
     def _shard_start(self, p: Tensor) -> int:
         """Where ``p``'s local shard starts in its whole param (0 for a plain tensor), found once per param."""
@@ -322,6 +370,7 @@ class CPUAdam(torch.optim.Optimizer):
         """torch's state dict, but for 8-bit moments of DTensor params: their block scales as each
         element's exponents (``shard_state.EXPONENTS``), int8 DTensors sharded like the param, so that
         torch.distributed.checkpoint reshards them with the codes."""
+        self._settled("state_dict")
         saved = super().state_dict()
         params = [p for g in self.param_groups for p in g["params"]]  # torch's state dict indexes them so
         for index, p in enumerate(params):
@@ -349,6 +398,7 @@ class CPUAdam(torch.optim.Optimizer):
         would cast them to the param dtype first, losing float32 moments of bfloat16 params.)
         Load hooks see the whole state dict, as with torch's optimizers.
         """
+        self._settled("load_state_dict")
         state_dict = state_dict.copy()
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             returned = pre_hook(self, state_dict)

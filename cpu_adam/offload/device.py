@@ -141,11 +141,13 @@ class DeviceOps:
         return t
 
     def memory(self) -> Memory:
-        """The device's memory now, as the caching allocator sees it (a CUDA device)."""
+        """The device's memory now, as the caching allocator sees it (a CUDA device), within the process's share
+        where one is set (``torch.cuda.set_per_process_memory_fraction``: a GPU smaller than this one)."""
         free, total = torch.cuda.mem_get_info(self.device)
-        allocated = torch.cuda.memory_allocated(self.device)
-        cached = torch.cuda.memory_reserved(self.device) - allocated  # free blocks the allocator keeps
-        return Memory(allocated, free + cached, total)
+        fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 1.0)(self.device)
+        return capped_memory(
+            free, total, torch.cuda.memory_reserved(self.device), torch.cuda.memory_allocated(self.device), fraction
+        )
 
     def link_rates(self) -> tuple[float, float]:
         """Bytes/s of page-locked copies up and down (a CUDA device), from one short probe, once."""
@@ -241,3 +243,10 @@ class DeviceOps:
 
 def _nbytes(t: Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def capped_memory(free: int, total: int, reserved: int, allocated: int, fraction: float = 1.0) -> Memory:
+    """The memory the allocator can still hand out: the device's free memory and the free blocks it keeps, but no
+    more than a process share of ``fraction`` of ``total`` leaves beyond what it has reserved."""
+    cap = int(total * fraction)
+    return Memory(allocated, min(free, max(0, cap - reserved)) + reserved - allocated, cap)

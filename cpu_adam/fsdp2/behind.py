@@ -1,0 +1,271 @@
+"""The step behind the next forward: ``step()`` takes the norm and the clip factor, fixes the hyper-parameters,
+queues the shards' steps unit by unit in the order the next forward gathers them, and returns; the next forward
+runs while the host steps, and each unit's gather waits for that unit's step alone.
+
+    handle = step_behind_forward(model, optimizer)   # model: the FSDP2 root, or a list of model parts
+    ...                                              # train as before: forward, backward, step, zero_grad
+    handle.remove()                                  # the serial step again
+
+Once backward has ended every grad shard is on the host, so the global norm, and with it the step, is known
+before the next forward begins. Whatever reads what the step writes before it is done waits for it (``guard``);
+the result is bitwise the serial step's. Lifecycle: ``IDLE`` (no step queued) -> ``IN_FLIGHT`` (after
+``step()``) -> ``IDLE`` (every unit stepped, or a failure collected by a wait) ... -> ``REMOVED``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor, nn
+
+from .._compiled_step import GroupStep
+from ..ops import adam_step
+from .guard import ReadGuard
+from .in_flight import InFlight, Status
+from .units import Unit, find_units
+
+if TYPE_CHECKING:
+    from ..optimizer import CPUAdam
+
+__all__ = ["StepBehindForward", "step_behind_forward"]
+
+OUTSIDE = -1  # a param of the optimizer in no FSDP2 unit: stepped inside step() itself
+
+
+class State(enum.Enum):
+    IDLE = "idle"
+    IN_FLIGHT = "in flight"
+    REMOVED = "removed"
+
+
+def step_behind_forward(
+    model: nn.Module | Sequence[nn.Module], optimizer: CPUAdam, *, threads: int | None = None
+) -> StepBehindForward:
+    """Runs ``optimizer``'s steps behind the next forward of ``model`` (an FSDP2 root module, or a list of model
+    parts); ``threads``: the kernel's threads while the forward runs (default: torch's threads less one, which
+    the forward's own thread keeps). Returns the handle; ``handle.remove()`` goes back to the serial step."""
+    return StepBehindForward(model, optimizer, threads=threads)
+
+
+class StepBehindForward:
+    """The mode's handle: which units the optimizer's params lie in, the gather order learned from the forward,
+    the step in flight and the waits on it."""
+
+    def __init__(
+        self, model: nn.Module | Sequence[nn.Module], optimizer: CPUAdam, *, threads: int | None = None
+    ) -> None:
+        from ..optimizer import CPUAdam
+
+        if not isinstance(optimizer, CPUAdam):
+            raise TypeError(
+                f"step_behind_forward: the optimizer must be a cpu_adam.CPUAdam, got {type(optimizer).__name__}; "
+                "build CPUAdam over the FSDP2 module's params"
+            )
+        if optimizer.__dict__.get("_behind") is not None:
+            raise RuntimeError(
+                "step_behind_forward: this optimizer already steps behind the forward; call remove() on the "
+                "handle first"
+            )
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise ValueError(f"step_behind_forward: threads must be a positive int (or None), got {threads!r}")
+        parts = [model] if isinstance(model, nn.Module) else list(model)
+        if not parts:
+            raise ValueError("step_behind_forward: no model part given")
+        self.units: list[Unit] = find_units(parts)
+        self.threads = threads or max(1, torch.get_num_threads() - 1)
+        self.state = State.IDLE
+        self._optimizer = optimizer
+        self._unit_of_param = {id(p): k for k, unit in enumerate(self.units) for p in unit.params}
+        self._order = list(range(len(self.units)))  # module order until a forward shows FSDP2's
+        self._gathered: list[int] = []  # units whose forward ran since the last step, in that order
+        self._in_flight: InFlight | None = None
+        self._last: InFlight | None = None
+        self._position: dict[int, int] = {}
+        self._guard: ReadGuard | None = None
+        self._hooks = [
+            module.register_forward_pre_hook(self._before_forward(k), prepend=True)
+            for k, unit in enumerate(self.units)
+            for module in unit.modules
+        ]
+        self._hooks += [module.register_forward_hook(self._after_forward) for module in parts]
+        modules = {id(m): m for m in [*parts, *(m for unit in self.units for m in unit.modules)]}.values()
+        for module in modules:  # from any thread: the guard sees this thread's ops only
+            self._hooks.append(module.register_state_dict_pre_hook(lambda *args: self.settle()))
+            self._hooks.append(module.register_load_state_dict_pre_hook(lambda *args: self.settle()))
+        optimizer._behind = self
+
+    # -- lifecycle ------------------------------------------------------------------------------------------
+
+    def remove(self) -> None:
+        """Waits for the step in flight, then goes back to the serial step."""
+        if self.state is State.REMOVED:
+            return
+        try:
+            self.wait()
+        finally:
+            for hook in self._hooks:
+                hook.remove()
+            self._retire_guard()
+            self._optimizer._behind = None
+            self.state = State.REMOVED
+
+    def wait(self) -> None:
+        """Until every unit of the step in flight is stepped; raises the failure of one that raised."""
+        in_flight = self._in_flight
+        if in_flight is not None:
+            in_flight.wait_all()
+            self._collect(in_flight)
+        self._retire_guard()
+
+    @property
+    def order(self) -> list[str]:
+        """The units' names in the order the step runs them (FSDP2's gather order in the last forward)."""
+        return [self.units[k].describe() for k in self._order]
+
+    @property
+    def unit_seconds(self) -> dict[str, float]:
+        """Each unit's kernel time in the last step queued, by unit, in the queue's order (for benchmarks)."""
+        in_flight = self._in_flight or self._last
+        return dict(zip(in_flight.names, in_flight.seconds)) if in_flight else {}
+
+    # -- the optimizer's side: CPUAdam.step calls these -------------------------------------------------------
+
+    def unit_of(self, p: Tensor) -> int:
+        return self._unit_of_param.get(id(p), OUTSIDE)
+
+    def launch(self, per_group: list[dict[int, GroupStep]]) -> None:
+        """Queues the step: each group's part in each unit (``per_group``: unit -> that group's GroupStep), every
+        kernel call checked first (a refused step changes nothing), the params outside every unit stepped now."""
+        from .._compiled_step import _kernel_calls  # the calls the queued step will make
+
+        fixed = [{unit: step._replace(lr=float(step.lr)) for unit, step in parts.items()} for parts in per_group]
+        for parts in fixed:
+            for step in parts.values():
+                for _, kwargs in _kernel_calls(step):
+                    adam_step(**kwargs, check_only=True)
+        outside = [parts[OUTSIDE] for parts in fixed if OUTSIDE in parts]
+        if outside:
+            from .._compiled_step import adam_step_groups
+
+            adam_step_groups("CPUAdam", outside)
+        self._learn_order()
+        steps = [[parts[k] for parts in fixed if k in parts] for k in self._order]
+        names = [self.units[k].describe() for k in self._order]
+        self._guard_tensors(fixed)
+        self._in_flight = InFlight(steps, names, self.threads)
+        self.state = State.IN_FLIGHT
+        self._push_guard()
+
+    def settle(self) -> None:
+        """Before anything that reads or writes the step's tensors from outside its forward: the whole step."""
+        if self.state is State.IN_FLIGHT:
+            self.wait()
+
+    # -- the forward's side ---------------------------------------------------------------------------------
+
+    def _before_forward(self, k: int):
+        def hook(module: nn.Module, args: object) -> None:
+            if torch._C._current_graph_task_id() == -1 and k not in self._gathered:  # not a recompute in backward
+                self._gathered.append(k)
+            if self.state is State.IN_FLIGHT:
+                self._wait_unit(self._position[k])
+
+        return hook
+
+    def _after_forward(self, module: nn.Module, args: object, output: object) -> None:
+        """A forward that gathered every unit found them all stepped: the guard leaves before the backward."""
+        in_flight = self._in_flight
+        if in_flight is not None and all(s not in (Status.QUEUED, Status.STEPPING) for s in in_flight.status):
+            self.wait()
+
+    def _learn_order(self) -> None:
+        seen = list(self._gathered)
+        self._order = seen + [k for k in self._order if k not in seen]
+        self._position = {k: i for i, k in enumerate(self._order)}
+        self._gathered = []
+
+    # -- waits ----------------------------------------------------------------------------------------------
+
+    def _wait_unit(self, position: int) -> None:
+        in_flight = self._in_flight
+        if in_flight is None:
+            return
+        in_flight.wait(position)
+        self._collect(in_flight)
+
+    def _wait_all(self) -> None:
+        in_flight = self._in_flight
+        if in_flight is not None:
+            in_flight.wait_all()
+            self._collect(in_flight)
+
+    def _collect(self, in_flight: InFlight) -> None:
+        """Raises a unit's failure once, to the first wait after it; ends the step once every unit is done."""
+        if in_flight.failure is not None:
+            in_flight.wait_all()
+            position, error = in_flight.failure
+            self._end(in_flight)
+            stepped = [in_flight.names[i] for i, s in enumerate(in_flight.status) if s is Status.STEPPED]
+            left = [in_flight.names[i] for i, s in enumerate(in_flight.status) if s is Status.LEFT]
+            raise RuntimeError(
+                f"CPUAdam: the step behind the forward failed in unit {in_flight.names[position]} "
+                f"({type(error).__name__}: {error}); that unit and {len(left)} after it were left as they were "
+                f"({len(stepped)} stepped), so the next step() can go on"
+            ) from error
+        if in_flight.finished:
+            self._end(in_flight)
+
+    def _end(self, in_flight: InFlight) -> None:
+        if self._in_flight is in_flight:
+            self._last = in_flight
+            self._in_flight = None
+            self.state = State.IDLE if self.state is State.IN_FLIGHT else self.state
+
+    # -- the guard ------------------------------------------------------------------------------------------
+
+    def _guard_tensors(self, fixed: list[dict[int, GroupStep]]) -> None:
+        """Which unit each tensor of the step belongs to: the params, their grads and states (DTensors and their
+        local shards), and the shards FSDP2's gather reads."""
+        held: list[Tensor] = []
+        unit_of: dict[int, int] = {}
+        optimizer_state = self._optimizer.state
+        for k in self._order:
+            unit = self.units[k]
+            tensors: list[Tensor] = list(unit.gathered)
+            for p in unit.params:
+                tensors += [p, p.grad] if p.grad is not None else [p]
+                tensors += [v for v in optimizer_state.get(p, {}).values() if isinstance(v, Tensor)]
+            tensors += [t._local_tensor for t in tensors if hasattr(t, "_local_tensor")]
+            for t in tensors:
+                unit_of[id(t)] = self._position[k]
+            held += tensors
+        for parts in fixed:  # the pieces the kernel steps (copies of heads included)
+            for k, step in parts.items():
+                if k == OUTSIDE:
+                    continue
+                for t in (*step.params, *step.grads, *step.exp_avgs, *step.exp_avg_sqs, *step.steps):
+                    unit_of.setdefault(id(t), self._position[k])
+                    held.append(t)
+        self._unit_of = unit_of
+        self._held = held
+
+    def _push_guard(self) -> None:
+        self._retire_guard()
+        in_flight = self._in_flight
+        self._guard = ReadGuard(self._unit_of, self._held, self._wait_unit, self._wait_all, lambda: in_flight.finished)
+        torch._C._push_on_torch_function_stack(self._guard)
+
+    def _retire_guard(self) -> None:
+        """Off the function mode stack, if it is on top (a mode pushed after it stays; it is idle meanwhile)."""
+        guard = self._guard
+        if guard is None:
+            return
+        depth = torch._C._len_torch_function_stack()
+        if depth and torch._C._get_function_stack_at(depth - 1) is guard:
+            torch._C._pop_torch_function_stack()
+            self._guard = None
+            self._held = []
+            self._unit_of = {}

@@ -1,0 +1,92 @@
+"""A step in flight: a host thread steps the units one after another, in the order the next forward gathers
+them, while the thread that called ``step()`` runs that forward.
+
+Each unit's step is all or nothing (``adam_step_groups``: every kernel call checked before any runs, the
+counts advanced with the tensors). A unit that raises ends the step: the units after it are left as they
+were, and the failure waits for the first caller of ``wait``/``wait_all`` to collect it. A wait for a unit
+the thread has not reached moves that unit to the front, so that a forward gathering units in another
+order than the last one waits for its own unit and the one being stepped, no more.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from enum import Enum
+
+import torch
+
+from .._compiled_step import GroupStep, adam_step_groups
+
+__all__ = ["InFlight", "Status"]
+
+
+class Status(Enum):
+    QUEUED = "queued"
+    STEPPING = "stepping"
+    STEPPED = "stepped"
+    FAILED = "failed"
+    LEFT = "left as it was"  # after a failure
+
+
+class InFlight:
+    """The units' steps, queued on a thread of their own (``threads`` kernel threads) as soon as it is made."""
+
+    def __init__(self, steps: Sequence[Sequence[GroupStep]], names: Sequence[str], threads: int) -> None:
+        self.names = list(names)
+        self.status = [Status.QUEUED] * len(steps)
+        self.seconds = [0.0] * len(steps)  # each unit's kernel time, for the benchmarks
+        self.failure: tuple[int, BaseException] | None = None
+        self._steps = list(steps)
+        self._queue = deque(range(len(steps)))
+        self._changed = threading.Condition()
+        self._threads = threads
+        self.finished = not steps
+        # Not a daemon: the interpreter's exit waits for it, so that no unit is torn by the process ending.
+        self._thread = threading.Thread(target=self._run, name="cpu_adam: step behind the forward", daemon=False)
+        if steps:
+            self._thread.start()
+
+    def _run(self) -> None:
+        if torch.get_num_threads() != self._threads:  # a new thread starts with OpenMP's default, not the caller's
+            torch.set_num_threads(self._threads)
+        try:
+            while True:
+                with self._changed:
+                    if not self._queue:
+                        return
+                    unit = self._queue.popleft()
+                    if self.failure is not None:
+                        self.status[unit] = Status.LEFT
+                        self._changed.notify_all()
+                        continue
+                    self.status[unit] = Status.STEPPING
+                start = time.perf_counter()
+                try:
+                    adam_step_groups("CPUAdam", self._steps[unit])
+                    status = Status.STEPPED
+                except BaseException as error:  # collected by the next wait, on the caller's thread
+                    self.failure = (unit, error)
+                    status = Status.FAILED
+                with self._changed:
+                    self.seconds[unit] = time.perf_counter() - start
+                    self.status[unit] = status
+                    self._changed.notify_all()
+        finally:
+            self._steps = []
+            self.finished = True
+
+    def wait(self, unit: int) -> None:
+        """Until ``unit`` is stepped (or failed, or left): first in the queue if the thread has not reached it."""
+        with self._changed:
+            if self.status[unit] is Status.QUEUED and self._queue[0] != unit:
+                self._queue.remove(unit)
+                self._queue.appendleft(unit)
+            while self.status[unit] in (Status.QUEUED, Status.STEPPING):
+                self._changed.wait()
+
+    def wait_all(self) -> None:
+        if self._thread.is_alive():
+            self._thread.join()
