@@ -112,7 +112,7 @@ def test_the_forward_waits_for_each_unit_alone(world_of_one: None) -> None:
     """At each block's forward its own unit is stepped and the last block's is not yet: the step runs behind."""
     seen: list[list[Status]] = []
     with slow_units(0.1):
-        serial, serial_opt, ours, our_opt = stepped_pair()
+        serial, _serial_opt, ours, our_opt = stepped_pair()
         handle = our_opt._behind
         hooks = [
             block.register_forward_pre_hook(lambda m, a: seen.append(list((handle._in_flight or handle._last).status)))
@@ -148,7 +148,7 @@ def _set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, source: 
 def test_a_load_after_step_is_not_overwritten_by_it(world_of_one: None, write: str) -> None:
     """Loading another model's state right after step(): the load wins (a step that went on would write over it)."""
     with slow_units():
-        serial, serial_opt, ours, our_opt = stepped_pair()
+        _serial, _serial_opt, ours, our_opt = stepped_pair()
         source, source_opt = build(CASE, seed=5)
         forward_backward(source, CASE, 0)
         source_opt.step()
@@ -229,7 +229,7 @@ def test_a_backward_of_a_graph_made_before_step_waits(world_of_one: None) -> Non
 
 def test_an_explicit_unshard_gathers_the_stepped_unit(world_of_one: None) -> None:
     with slow_units():
-        serial, serial_opt, ours, our_opt = stepped_pair()
+        serial, _serial_opt, ours, _our_opt = stepped_pair()
         for model in (serial, ours):
             model.blocks[-1].unshard()
         gathered = {n: p.detach().clone() for n, p in ours.blocks[-1].named_parameters()}
