@@ -40,6 +40,7 @@ from _common import format_table, parse_size
 
 WIDTH = 2048  # a block is a WIDTH x WIDTH Linear: 4.2M params, about a transformer's projection
 HYPER = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+MAX_NORM = 1e-3  # below the grads' norm: every step clips, as language models' steps do
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ class Config:
     moments: str  # "fp32", "bf16" or "8bit"
     target: float | None = None  # the issue's bar against AdamW(fused=True) on fp32 shards
     rounding: str = "stochastic"  # of bf16 shards' stores: "stochastic", or "nearest" (what SR costs)
+    clip: str | None = None  # "inside": CPUAdam(max_grad_norm); "torch": clip_grad_norm_ before the step
 
     def build(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
         if self.optimizer == "adamw_fused":
@@ -65,20 +67,36 @@ class Config:
             **HYPER,
             state_precision=self.moments,
             stochastic_rounding=self.shard_dtype == torch.bfloat16 and self.rounding == "stochastic",
+            max_grad_norm=MAX_NORM if self.clip == "inside" else None,
         )
+
+    def stepper(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> Callable[[], None]:
+        if self.clip != "torch":
+            return optimizer.step
+
+        def clip_then_step() -> None:
+            torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
+            optimizer.step()
+
+        return clip_then_step
 
 
 FUSED = Config("AdamW(fused=True) fp32/fp32", "adamw_fused", torch.float32, "fp32")
 DEFAULT = Config("AdamW() fp32/fp32", "adamw_default", torch.float32, "fp32")
+SR_BF16 = Config("CPUAdam bf16-SR + bf16 moments", "cpu_adam", torch.bfloat16, "bf16", 1.8)
 CONFIGS = [
     FUSED,
     DEFAULT,
     Config("CPUAdam fp32/fp32", "cpu_adam", torch.float32, "fp32", 1.0),
     Config("CPUAdam fp32 + bf16 moments", "cpu_adam", torch.float32, "bf16", 1.3),
-    Config("CPUAdam bf16-SR + bf16 moments", "cpu_adam", torch.bfloat16, "bf16", 1.8),
+    SR_BF16,
     Config("CPUAdam bf16 (nearest) + bf16 moments", "cpu_adam", torch.bfloat16, "bf16", rounding="nearest"),
     Config("CPUAdam bf16-SR + 8-bit moments", "cpu_adam", torch.bfloat16, "8bit", 1.3),
+    # Clipping, every step: inside the step (one read of the grads for the norm), or torch's before it.
+    Config("  clipped inside: bf16-SR + bf16, max_grad_norm", "cpu_adam", torch.bfloat16, "bf16", clip="inside"),
+    Config("  clipped before: clip_grad_norm_, bf16-SR + bf16", "cpu_adam", torch.bfloat16, "bf16", clip="torch"),
 ]
+UNCLIPPED = {c.name: SR_BF16 for c in CONFIGS if c.clip}  # each clipped row against the same step unclipped
 
 
 def sharded_model(blocks: int, dtype: torch.dtype) -> nn.Module:
@@ -132,8 +150,9 @@ def rows_for(blocks: int, configs: list[Config]) -> list[Row]:
         except ValueError as error:  # a precision CPUAdam does not take on DTensor params (yet)
             rows.append(Row(config, None, str(error).split(": ")[1]))
             continue
+        params = list(model.parameters())
         optimizer.step()  # the first step allocates the state: not timed
-        rows.append(Row(config, optimizer.step))
+        rows.append(Row(config, config.stepper(optimizer, params)))
     return rows
 
 
@@ -192,14 +211,16 @@ def median_ratio(numerator: list[float], denominator: list[float]) -> float:
 
 def table(result: dict, params_per_rank: int, profile: bool) -> str:
     times, kernel, refused = result["times"], result["kernel"], result["refused"]
-    headers = ["config", "ms/step", "ns/param", "vs AdamW(fused=True)", "vs AdamW()", "target"]
+    headers = ["config", "ms/step", "ns/param", "vs AdamW(fused=True)", "vs AdamW()", "target", "vs unclipped"]
     if profile:
         headers.append("kernel share")
     rows = []
     for config in CONFIGS:
         if config.name not in times:
             rows.append(
-                [config.name, "refused", "", "", "", f"{config.target}x" if config.target else "", ""][: len(headers)]
+                [config.name, "refused", "", "", "", f"{config.target}x" if config.target else "", "", ""][
+                    : len(headers)
+                ]
             )
             continue
         mine = times[config.name]
@@ -211,6 +232,7 @@ def table(result: dict, params_per_rank: int, profile: bool) -> str:
             f"{median_ratio(times[FUSED.name], mine):.2f}x",
             f"{median_ratio(times[DEFAULT.name], mine):.2f}x",
             f"{config.target}x" if config.target else "",
+            f"{median_ratio(mine, times[UNCLIPPED[config.name].name]):.2f}x" if config.name in UNCLIPPED else "",
         ]
         if profile:
             share = statistics.median(kernel[config.name])

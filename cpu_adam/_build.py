@@ -28,6 +28,7 @@ SOURCES = (
     "dispatch.cpp",
     "cpu_features.cpp",
     "memory_overlap.cpp",
+    "norms.cpp",
     "kernels/scalar.cpp",
     "kernels/avx2.cpp",
     "kernels/avx512.cpp",

@@ -21,7 +21,7 @@ class GroupStep(NamedTuple):
     """One param group's part of an optimizer step: the tensors of its params that have grads, their
     step counts (0-dim tensors, torch's ``state["step"]``), and the group's hyper-parameters as
     ``adam_step`` takes them (``counter_offsets``: one per tensor, or none without stochastic rounding).
-    A param may be stepped as several tensors (``shards.pieces``): all but one then count in a copy of
+    A param may be stepped as several tensors (``fsdp2.places.pieces``): all but one then count in a copy of
     its step count, and ``write_backs`` are (stepped copy, destination) pairs copied once stepped.
     """
 

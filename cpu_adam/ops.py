@@ -26,6 +26,7 @@ __all__ = [
     "fold_hyper",
     "force_isa",
     "random_key",
+    "squared_norms",
     "supported_isas",
     "threads_for",
 ]
@@ -327,3 +328,14 @@ def force_isa(name: str) -> Iterator[None]:
         yield
     finally:
         _ops().set_isa(previous)
+
+
+def squared_norms(tensors: Sequence[Tensor]) -> Tensor:
+    """Each tensor's sum of squares, float64 [len(tensors)], for float32 and bfloat16 tensors on the CPU.
+
+    Every square is exact and they are summed in one fixed order (``csrc/kernels/squares.h``), so a sum does not
+    depend on the thread count or the ISA; all tensors in one parallel region, at memory speed.
+    """
+    if not tensors:
+        return torch.zeros(0, dtype=torch.float64)
+    return _ops().squared_norms(list(tensors))

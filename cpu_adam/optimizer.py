@@ -6,27 +6,25 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 from torch.optim.optimizer import _global_optimizer_post_hooks
 
-from . import ops, shard_state, shards
 from ._compiled_step import GroupStep, adam_step_groups
+from ._group_steps import group_steps
 from ._precision import (
     MOMENTS,
     SCALES,
     resolved_precision,
     state_dtype,
 )
-from ._saved_state import check_precision, check_saved, converted, shaped_like
+from ._saved_state import split_moments
 from ._turn import Turn, one_at_a_time
 from ._validation import check_hyper_parameters, check_param_group, check_step_count, checked_seed
-from .grad_norm import check_max_grad_norm, clip_factor, total_norm
-
-if TYPE_CHECKING:
-    from .fsdp2.behind import StepBehindForward
+from .clipping import NOT_SAID, check_max_grad_norm, clipped
+from .fsdp2 import checkpoint_form, places
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +39,7 @@ _OWN_KEYS = (
 _UNSUPPORTED_FLAGS = ("amsgrad", "capturable", "differentiable")
 
 
-_local = shards.local
+_local = places.local
 _EMPTY = GroupStep([], [], [], [], [], 0.0, 0.9, 0.999, 1e-8, 0.0, True, True, 1.0, False, 0, [])
 
 
@@ -70,13 +68,9 @@ class CPUAdam(torch.optim.Optimizer):
         amsgrad: not supported; True raises.
         state_precision: how ``exp_avg`` and ``exp_avg_sq`` are kept: "fp32" (the
             default), "bf16" (half the bytes), or "8bit": uint8 codes shaped like the
-            param plus ``state_scales``, float32 [2, ceil(numel / 256)], a scale per
-            moment per block of 256 elements (``cpu_adam.quant8``; 2.03 bytes per param
-            for both moments), rounded stochastically every step. Every tensor gets
-            8-bit states, small ones (norms, biases) included: their moments are a
-            negligible share of the bytes either way, and one block per small tensor
-            keeps the map's range per tensor, where a bf16 fallback would be a second
-            code path for no measured gain.
+            param plus ``state_scales``, a float32 scale per moment per block of 256
+            elements (``cpu_adam.quant8``; 2.03 bytes per param for both moments), for
+            every tensor, small ones included (docs/cpu_adam.md says why).
         fp32_optimizer_states: DeepSpeed's shorthand, True for "fp32" and False for
             "bf16"; passing it with a ``state_precision`` it contradicts raises.
         stochastic_rounding: round bfloat16 param stores stochastically, so that
@@ -85,12 +79,14 @@ class CPUAdam(torch.optim.Optimizer):
         seed: the random bits of stochastic rounding and of 8-bit codes (default 0:
             not drawn from torch's generator, so that data-parallel replicas seeded
             per rank still step alike). Saved in the state dict.
-        max_grad_norm: clip the grads by their global 2-norm inside the step, as
-            ``torch.nn.utils.clip_grad_norm_(params, max_grad_norm)`` before it would,
-            over all param groups and, for DTensor params (FSDP2), over all ranks of
-            their mesh (one all-reduce a step); no pass rewrites the grads. The norm of
-            the last step is ``grad_norm``. The attribute ``max_grad_norm`` may be changed
-            between steps; it is not part of the state dict.
+        max_grad_norm: clip inside the step by ``clip_grad_norm_``'s factor of the global
+            norm (float64, ``cpu_adam.fsdp2.norm``; DTensors over their meshes); no pass
+            rewrites the grads, and a non-finite norm skips the step (``skipped_steps``).
+            ``grad_norm`` holds the last norm. May be changed between steps; not saved.
+            Under DeepSpeed it is refused: clip with DeepSpeed's ``gradient_clipping``.
+        norm_group: plain params on several ranks: None if each rank's grads are all of
+            them (DDP), or the process group whose ranks hold parts of them; left unsaid
+            there, ``max_grad_norm`` refuses to guess.
     """
 
     def __init__(
@@ -109,6 +105,7 @@ class CPUAdam(torch.optim.Optimizer):
         stochastic_rounding: bool = False,
         seed: int | None = None,
         max_grad_norm: float | None = None,
+        norm_group: object = NOT_SAID,
         maximize: bool = False,
         foreach: bool | None = None,
         fused: bool | None = None,
@@ -152,11 +149,18 @@ class CPUAdam(torch.optim.Optimizer):
         }
         self._turn = Turn()  # before torch's __init__, which calls add_param_group
         self.max_grad_norm = check_max_grad_norm("CPUAdam", max_grad_norm)
+        self.norm_group = norm_group
         self.grad_norm: Tensor | None = None
         super().__init__(params, defaults)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**super().__getstate__(), "max_grad_norm": self.__dict__.get("max_grad_norm")}
+        # A process group does not pickle: a copy asks for it again (max_grad_norm refuses until it is set).
+        group = self.__dict__.get("norm_group", NOT_SAID)
+        own = {
+            "max_grad_norm": self.__dict__.get("max_grad_norm"),
+            "norm_group": group if group in (None, NOT_SAID) else NOT_SAID,
+        }
+        return {**super().__getstate__(), **own}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
@@ -164,6 +168,7 @@ class CPUAdam(torch.optim.Optimizer):
         # load_state_dict, torch's load calls this too: the lock held stays the one.
         self.__dict__.setdefault("_turn", Turn())
         self.__dict__.setdefault("max_grad_norm", None)
+        self.__dict__.setdefault("norm_group", NOT_SAID)
         self.__dict__.setdefault("grad_norm", None)
         # Groups loaded from torch.optim.Adam/AdamW lack our keys (and only those are added:
         # keys torch's own __setstate__ puts in the defaults would change the state dict).
@@ -216,8 +221,9 @@ class CPUAdam(torch.optim.Optimizer):
             behind.settle()
         return loss
 
-    def _settled(self, verb: str) -> StepBehindForward | None:
-        """The step behind the forward (if on), with no step of it in flight: what follows sees every unit stepped."""
+    def _settled(self, verb: str) -> Any:
+        """The handle of the step behind the forward (``cpu_adam.fsdp2.StepBehindForward``; None if off), with no
+        step of it in flight: what follows sees every unit stepped."""
         behind = self.__dict__.get("_behind")
         if behind is not None:
             if torch.compiler.is_compiling():
@@ -244,21 +250,16 @@ class CPUAdam(torch.optim.Optimizer):
         max_grad_norm = check_max_grad_norm("CPUAdam", self.max_grad_norm)  # may be set between steps
         if max_grad_norm is None:
             return 1.0
-        if torch.compiler.is_compiling():
-            raise RuntimeError(
-                "CPUAdam: max_grad_norm reads the grads' norm in Python, which a compiled step cannot; "
-                "compile without it and clip with torch.nn.utils.clip_grad_norm_, or step eagerly"
-            )
-        self.grad_norm = total_norm([p.grad for g in self.param_groups for p in g["params"] if p.grad is not None])
-        if not bool(torch.isfinite(self.grad_norm)):
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        self.grad_norm, factor = clipped("CPUAdam", grads, max_grad_norm, self.__dict__.get("norm_group", NOT_SAID))
+        if factor is None:
             self.skipped_steps = self.__dict__.get("skipped_steps", 0) + 1
             logger.warning(
                 "cpu_adam.CPUAdam: gradient norm is %s, step skipped (%d skipped so far)",
                 float(self.grad_norm),
                 self.skipped_steps,
             )
-            return None
-        return clip_factor(self.grad_norm, max_grad_norm)
+        return factor
 
     def _group_steps(
         self, index: int, group: dict[str, Any], clip: float = 1.0, unit_of: Callable[[Tensor], int] | None = None
@@ -267,65 +268,13 @@ class CPUAdam(torch.optim.Optimizer):
         tensors: tuple[list[Tensor], ...] = ([], [], [], [], [], [])  # params, grads, moments, steps, 8-bit scales
         indices: list[int] = []
         self._init_group(group, *tensors, indices)
-        eight_bit = group["state_precision"] == "8bit"
-        # Random bits (bf16 param stores, 8-bit codes): each param at its place in the group's counter
-        # space, grad or not, and each element of a DTensor shard at its place in the whole param.
-        rounded = group["stochastic_rounding"]
-        random_bits = [eight_bit or (rounded and p.dtype == torch.bfloat16) for p in group["params"]]
-        places = ops.back_to_back(group["params"], ops.group_counter_base(index)) if any(random_bits) else None
-        by_unit: dict[int, tuple[list[Any], ...]] = {}
-        for n, i in enumerate(indices):
-            p = group["params"][i]
-            unit = unit_of(p) if unit_of is not None else 0
-            params, grads, exp_avgs, exp_avg_sqs, steps, scales, offsets, write_backs = by_unit.setdefault(
-                unit, tuple([] for _ in range(8))
-            )
-            parts = shards.pieces(
-                *(each[n] for each in tensors[:4]),
-                tensors[5][n] if eight_bit else None,
-                counter=places[i] if places else 0,
-                start=self._shard_start(p),
-                random_bits=random_bits[i],
-            )
-            for k, part in enumerate(parts):
-                params.append(part.param)
-                grads.append(part.grad)
-                exp_avgs.append(part.exp_avg)
-                exp_avg_sqs.append(part.exp_avg_sq)
-                steps.append(tensors[4][n] if k == 0 else tensors[4][n].clone())  # counted once
-                if part.scales is not None:
-                    scales.append(part.scales)
-                offsets.append(part.counter)
-                write_backs.extend(part.write_backs)
-        beta1, beta2 = group["betas"]
-        hyper = dict(
-            lr=group["lr"],
-            beta1=float(beta1),
-            beta2=float(beta2),
-            eps=float(group["eps"]),
-            weight_decay=float(group["weight_decay"]),
-            adamw_mode=bool(group["decoupled_weight_decay"]),
-            bias_correction=bool(group["bias_correction"]),
-            grad_scale=-clip if group.get("maximize") else clip,  # maximize: the step climbs the grad
-            stochastic_rounding=bool(group["stochastic_rounding"]),
-            seed=int(group["seed"]),
-        )
-        return {
-            unit: GroupStep(
-                *lists[:5],
-                **hyper,
-                counter_offsets=lists[6] if any(random_bits) else [],
-                state_scales=lists[5],
-                write_backs=lists[7],
-            )
-            for unit, lists in by_unit.items()
-        }
+        return group_steps(index, group, tensors, indices, self._shard_start, clip, unit_of)
 
     def _shard_start(self, p: Tensor) -> int:
         """Where ``p``'s local shard starts in its whole param (0 for a plain tensor), found once per param."""
         starts = self.__dict__.setdefault("_shard_starts", {})
         if id(p) not in starts:
-            starts[id(p)] = shards.shard_start(p)
+            starts[id(p)] = places.shard_start(p)
         return starts[id(p)]
 
     def _init_group(
@@ -355,7 +304,7 @@ class CPUAdam(torch.optim.Optimizer):
                 for key in MOMENTS:
                     state[key] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
                 if dtype == torch.uint8:  # an all-zero block's scale is 1
-                    blocks = shards.local_blocks(_local(p).numel(), self._shard_start(p))
+                    blocks = places.local_blocks(_local(p).numel(), self._shard_start(p))
                     state[SCALES] = torch.ones(2, blocks, dtype=torch.float32)
             params.append(_local(p))
             grads.append(_local(p.grad))
@@ -368,21 +317,11 @@ class CPUAdam(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """torch's state dict, but for 8-bit moments of DTensor params: their block scales as each
-        element's exponents (``shard_state.EXPONENTS``), int8 DTensors sharded like the param, so that
+        element's exponents (``checkpoint_form.EXPONENTS``), int8 DTensors sharded like the param, so that
         torch.distributed.checkpoint reshards them with the codes."""
         self._settled("state_dict")
-        saved = super().state_dict()
         params = [p for g in self.param_groups for p in g["params"]]  # torch's state dict indexes them so
-        for index, p in enumerate(params):
-            state = self.state.get(p)
-            if not state or SCALES not in state or not shards.is_dtensor(state["exp_avg"]):
-                continue
-            exponents = shard_state.exponents_of(state[SCALES], _local(p).numel(), self._shard_start(p))
-            entry = {k: v for k, v in saved["state"][index].items() if k != SCALES}
-            for name, each in zip(shard_state.EXPONENTS, exponents):
-                entry[name] = shaped_like(p, each)
-            saved["state"][index] = entry
-        return saved
+        return checkpoint_form.with_exponents(super().state_dict(), params, self.state, self._shard_start)
 
     @one_at_a_time(_busy)
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -406,37 +345,9 @@ class CPUAdam(torch.optim.Optimizer):
                 state_dict = returned
         _check_loadable(state_dict, self.defaults)
         keep_precisions = [(g["fp32_optimizer_states"], g["state_precision"]) for g in self.param_groups]
-        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
-        per_param = {i: s for i, s in state_dict["state"].items() if isinstance(s, dict)}
-        moment_keys = (*MOMENTS, SCALES, *shard_state.EXPONENTS)
-        moments = {i: {k: v for k, v in s.items() if k in moment_keys} for i, s in per_param.items() if i in saved_ids}
         dtype_of = {id(p): state_dtype(g["state_precision"]) for g in self.param_groups for p in g["params"]}
-        saved_precision = {i: g.get("state_precision") for g in state_dict["param_groups"] for i in g["params"]}
-        loaded = {}
-        for saved_id, p in zip(saved_ids, params):  # all checked and converted before anything changes
-            saved = moments.get(saved_id, {})
-            where = f"CPUAdam.load_state_dict: the state of param {saved_id}"
-            start = self._shard_start(p)
-            check_precision(where, saved, saved_precision.get(saved_id))
-            check_saved(where, {k: _local(v) for k, v in saved.items()}, p, start)
-            if saved:
-                loaded[id(p)] = converted(saved, p, dtype_of[id(p)], start)
-        # Steps are cloned: torch's load keeps the saved step tensors, which a live
-        # optimizer that produced them would go on incrementing in place.
-        without_moments = {
-            "state": {
-                i: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items() if k not in moment_keys}
-                if i in per_param
-                else s
-                for i, s in state_dict["state"].items()
-            },
-            "param_groups": state_dict["param_groups"],
-        }
-        for i in per_param:
-            saved = without_moments["state"][i]
-            if "step" in saved and not torch.is_tensor(saved["step"]):  # torch < 1.12 and DeepSpeed save a number
-                saved["step"] = torch.tensor(float(saved["step"]), dtype=torch.float32)
+        loaded, without_moments = split_moments(state_dict, params, dtype_of, self._shard_start)
         with _load_hooks_paused(self):  # they ran above, on the state dict with its moments
             super().load_state_dict(without_moments)
         for group, (fp32, precision) in zip(self.param_groups, keep_precisions):

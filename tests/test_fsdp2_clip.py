@@ -1,6 +1,7 @@
-"""Clipping inside the step (``CPUAdam(max_grad_norm=...)``) against torch's ``clip_grad_norm_`` and
-a step, in one process and on FSDP2 shards; torch's ``clip_grad_norm_`` on CPU DTensors; gradient
-accumulation with and without ``set_requires_gradient_sync(False)``."""
+"""Clipping inside the step (``CPUAdam(max_grad_norm=...)``) against the float64 norm of the grads and a
+step on grads multiplied by clip_grad_norm_'s factor, in one process and on FSDP2 shards (HSDP too); the
+norm against torch's ``clip_grad_norm_`` on CPU DTensors; gradient accumulation with and without
+``set_requires_gradient_sync(False)``."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from test_fsdp2_shards import HYPER, assert_bitwise, plain_model, sharded_model
 from torch import nn
 
 from cpu_adam import CPUAdam
+from cpu_adam.clipping import clip_factor
+from cpu_adam.fsdp2.norm import total_norm
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 
@@ -24,43 +27,79 @@ def grads_of(model: nn.Module) -> list[torch.Tensor]:
     return [p.grad.detach().clone() for p in model.parameters()]
 
 
+def exact_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of all grads in float64, rounded once to float32: what the norm inside the step must be."""
+    return torch.linalg.vector_norm(torch.cat([g.detach().double().reshape(-1) for g in grads])).float()
+
+
+def clipped_by(factor: float, grads: list[torch.Tensor]) -> None:
+    for g in grads:
+        g.mul_(factor)
+
+
 @pytest.mark.parametrize("max_grad_norm", [0.05, 1e3], ids=["clips", "does-not-clip"])
-def test_max_grad_norm_is_clip_grad_norm_then_the_step(max_grad_norm: float) -> None:
-    ours_model, torch_model = plain_model(torch.float32), plain_model(torch.float32)
+def test_max_grad_norm_clips_by_the_exact_norm_then_steps(max_grad_norm: float) -> None:
+    ours_model, reference_model = plain_model(torch.float32), plain_model(torch.float32)
     ours = CPUAdam(ours_model.parameters(), **HYPER, max_grad_norm=max_grad_norm)
-    theirs = CPUAdam(torch_model.parameters(), **HYPER)
+    reference = CPUAdam(reference_model.parameters(), **HYPER)
     for step in range(3):
         x, y = batch(step)
-        for model in (ours_model, torch_model):
+        for model in (ours_model, reference_model):
             nn.functional.mse_loss(model(x), y).backward()
         grads = grads_of(ours_model)
-        norm = torch.nn.utils.clip_grad_norm_(torch_model.parameters(), max_grad_norm)
+        norm = exact_norm(grads)
+        torch_norm = torch.nn.utils.get_total_norm(grads)  # clip_grad_norm_'s
+        clipped_by(clip_factor(norm, max_grad_norm), [p.grad for p in reference_model.parameters()])
         ours.step()
-        theirs.step()
+        reference.step()
         assert_bitwise(ours.grad_norm, norm, "the norm")
+        assert abs(float(ours.grad_norm) / float(torch_norm) - 1) < 2.0**-20, "torch's float32 norm, to its rounding"
         assert all(torch.equal(p.grad, g) for p, g in zip(ours_model.parameters(), grads)), "the grads were rewritten"
-        for p, q in zip(ours_model.parameters(), torch_model.parameters()):
+        for p, q in zip(ours_model.parameters(), reference_model.parameters()):
             assert_bitwise(p.detach(), q.detach(), f"step {step} weights")
         ours.zero_grad()
-        theirs.zero_grad()
+        reference.zero_grad()
     assert (norm > max_grad_norm) == (max_grad_norm == 0.05)  # the case is the one named
 
 
-def test_the_norm_of_bf16_grads_is_torchs_to_bf16_precision() -> None:
+def test_the_norm_covers_every_param_group() -> None:
+    """Decay and no-decay groups, as GPT recipes make them: the norm is over both."""
+    model = plain_model(torch.float32)
+    matrices = [p for p in model.parameters() if p.dim() == 2]
+    vectors = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = CPUAdam([{"params": matrices}, {"params": vectors, "weight_decay": 0.0}], **HYPER, max_grad_norm=1.0)
+    nn.functional.mse_loss(model(batch(0)[0]), batch(0)[1]).backward()
+    optimizer.step()
+    assert_bitwise(optimizer.grad_norm, exact_norm([p.grad for p in model.parameters()]), "the norm of both groups")
+
+
+def test_the_norm_of_bf16_grads_is_the_exact_norm() -> None:
     torch.manual_seed(0)
     params = [nn.Parameter(torch.randn(n).bfloat16()) for n in (300_001, 4097, 7)]
     for p, scale in zip(params, (1e-3, 10.0, 1e4)):  # tensors whose norms differ by orders of magnitude
         p.grad = (torch.randn(p.shape) * scale).bfloat16()
     optimizer = CPUAdam(params, **HYPER, state_precision="bf16", max_grad_norm=1.0)
     optimizer.step()
-    exact = torch.linalg.vector_norm(torch.cat([p.grad.double() for p in params]))
     copies = [nn.Parameter(p.detach().clone()) for p in params]
     for copy, p in zip(copies, params):
         copy.grad = p.grad.clone()
-    theirs = torch.nn.utils.clip_grad_norm_(copies, 1.0)
+    theirs = torch.nn.utils.clip_grad_norm_(copies, 1.0)  # each bf16 grad's norm rounded to bf16
     assert optimizer.grad_norm.dtype == torch.float32
-    assert abs(float(optimizer.grad_norm) / float(exact) - 1) < 2.0**-8
+    assert_bitwise(optimizer.grad_norm, exact_norm([p.grad for p in params]), "the norm of bf16 grads")
     assert abs(float(optimizer.grad_norm) / float(theirs) - 1) < 2.0**-7
+
+
+def test_the_norm_does_not_depend_on_the_thread_count() -> None:
+    grads = [torch.randn(n) for n in (1 << 20, 3 * (1 << 16) + 5, 1)]
+    threads = torch.get_num_threads()
+    norms = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            norms.append(total_norm(grads))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(norm, norms[0]) for norm in norms), norms
 
 
 def test_max_grad_norm_is_checked() -> None:
@@ -77,27 +116,34 @@ def test_max_grad_norm_is_checked() -> None:
 
 
 def _clips_on_shards(rank: int, world_size: int) -> None:
+    """On FSDP2 shards (and HSDP's 2 x 2 at 4 ranks): the norm is the float64 norm of the whole grads, the step that
+    of grads multiplied by clip_grad_norm_'s factor; torch's clip_grad_norm_ on the same DTensors agrees to float32."""
     max_grad_norm = 0.05
-    ours_model, torch_model = sharded_model(torch.float32), sharded_model(torch.float32)
-    ours = CPUAdam(ours_model.parameters(), **HYPER, max_grad_norm=max_grad_norm)
-    theirs = CPUAdam(torch_model.parameters(), **HYPER)
-    pairs = list(zip(ours_model.parameters(), torch_model.parameters()))
-    for step in range(3):
-        nn.functional.mse_loss(ours_model(batch(step, rank)[0]), batch(step, rank)[1]).backward()
-        for p, q in pairs:  # the same grads for both: only the clipping differs
-            q.grad = p.grad.detach().clone()
-        grads = grads_of(ours_model)
-        # torch's own clipping on CPU DTensors: its all-reduce runs on the mesh's (gloo) group.
-        norm = torch.nn.utils.clip_grad_norm_(torch_model.parameters(), max_grad_norm).full_tensor()
-        ours.step()
-        theirs.step()
-        assert norm > max_grad_norm, "the test means to clip"
-        assert_bitwise(ours.grad_norm, norm, f"rank {rank} step {step}: the norm")
-        for (p, q), g in zip(pairs, grads):
-            assert torch.equal(p.grad.to_local(), g.to_local()), "the grads were rewritten"
-            assert_bitwise(p.to_local(), q.to_local(), f"rank {rank} step {step}: weights")
-        ours.zero_grad()
-        theirs.zero_grad()
+    for replicas in (1, 2) if world_size == 4 else (1,):
+        ours_model, reference_model = sharded_model(torch.float32, replicas), sharded_model(torch.float32, replicas)
+        ours = CPUAdam(ours_model.parameters(), **HYPER, max_grad_norm=max_grad_norm)
+        reference = CPUAdam(reference_model.parameters(), **HYPER)
+        pairs = list(zip(ours_model.parameters(), reference_model.parameters()))
+        for step in range(3):
+            nn.functional.mse_loss(ours_model(batch(step, rank)[0]), batch(step, rank)[1]).backward()
+            for p, q in pairs:  # the same grads for both: only the clipping differs
+                q.grad = p.grad.detach().clone()
+            grads = grads_of(ours_model)
+            norm = exact_norm([g.full_tensor() for g in grads])
+            # torch's own norm on CPU DTensors: its all-reduce runs on the mesh's (gloo) group.
+            torch_norm = torch.nn.utils.get_total_norm(grads)  # clip_grad_norm_'s
+            clipped_by(clip_factor(norm, max_grad_norm), [q.grad for _, q in pairs])
+            ours.step()
+            reference.step()
+            what = f"rank {rank} step {step}, {replicas} replicas"
+            assert norm > max_grad_norm, "the test means to clip"
+            assert_bitwise(ours.grad_norm, norm, f"{what}: the norm")
+            assert abs(float(ours.grad_norm) / float(torch_norm.full_tensor()) - 1) < 2.0**-20, what
+            for (p, q), g in zip(pairs, grads):
+                assert torch.equal(p.grad.to_local(), g.to_local()), "the grads were rewritten"
+                assert_bitwise(p.to_local(), q.to_local(), f"{what}: weights")
+            ours.zero_grad()
+            reference.zero_grad()
 
 
 def _accumulates(rank: int, world_size: int) -> None:
@@ -109,7 +155,8 @@ def _accumulates(rank: int, world_size: int) -> None:
     for every_micro_batch in (True, False):
         sharded = sharded_model(torch.float32)
         ours = CPUAdam(sharded.parameters(), **HYPER, max_grad_norm=1.0)
-        reference = CPUAdam(plain_model(torch.float32).parameters(), **HYPER, max_grad_norm=1.0)
+        # the whole grads on every rank: replicas, as DDP keeps them
+        reference = CPUAdam(plain_model(torch.float32).parameters(), **HYPER, max_grad_norm=1.0, norm_group=None)
         for i in range(micro):
             sharded.set_requires_gradient_sync(every_micro_batch or i == micro - 1)
             x, y = batch(i, rank)
@@ -183,3 +230,11 @@ def test_fsdp2_clipping_and_accumulation() -> None:
     if not hasattr(fsdp, "fully_shard") or not torch.distributed.is_available():
         pytest.skip("this torch has no FSDP2 (torch.distributed.fsdp.fully_shard)")
     run_ranks(_clipping_and_accumulation, world_size=2, timeout_s=180.0)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_fsdp2_clipping_over_hsdp() -> None:
+    if not hasattr(fsdp, "fully_shard") or not torch.distributed.is_available():
+        pytest.skip("this torch has no FSDP2 (torch.distributed.fsdp.fully_shard)")
+    run_ranks(_clips_on_shards, world_size=4, timeout_s=180.0)

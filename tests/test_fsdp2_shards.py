@@ -16,7 +16,7 @@ from rank_spawn import run_ranks
 from torch import Tensor, nn
 
 from cpu_adam import CPUAdam, quant8
-from cpu_adam.shards import element_scales
+from cpu_adam.fsdp2.places import element_scales
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 

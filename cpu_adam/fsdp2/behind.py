@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -26,9 +25,6 @@ from ..ops import adam_step
 from .guard import ReadGuard
 from .in_flight import InFlight, Status
 from .units import Unit, find_units
-
-if TYPE_CHECKING:
-    from ..optimizer import CPUAdam
 
 __all__ = ["StepBehindForward", "step_behind_forward"]
 
@@ -42,7 +38,7 @@ class State(enum.Enum):
 
 
 def step_behind_forward(
-    model: nn.Module | Sequence[nn.Module], optimizer: CPUAdam, *, threads: int | None = None
+    model: nn.Module | Sequence[nn.Module], optimizer: torch.optim.Optimizer, *, threads: int | None = None
 ) -> StepBehindForward:
     """Runs ``optimizer``'s steps behind the next forward of ``model`` (an FSDP2 root module, or a list of model
     parts); ``threads``: the kernel's threads while the forward runs (default: torch's threads less one, which
@@ -55,11 +51,9 @@ class StepBehindForward:
     the step in flight and the waits on it."""
 
     def __init__(
-        self, model: nn.Module | Sequence[nn.Module], optimizer: CPUAdam, *, threads: int | None = None
+        self, model: nn.Module | Sequence[nn.Module], optimizer: torch.optim.Optimizer, *, threads: int | None = None
     ) -> None:
-        from ..optimizer import CPUAdam
-
-        if not isinstance(optimizer, CPUAdam):
+        if not callable(getattr(type(optimizer), "_settled", None)):  # CPUAdam's: its step knows the handle
             raise TypeError(
                 f"step_behind_forward: the optimizer must be a cpu_adam.CPUAdam, got {type(optimizer).__name__}; "
                 "build CPUAdam over the FSDP2 module's params"

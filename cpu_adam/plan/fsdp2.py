@@ -4,7 +4,7 @@ host, GPU memory per unit, and the CPU step's estimated time.
 Host bytes are each rank's shards as FSDP2 lays them out (every param cut along its first dim into
 ``ceil(rows / world_size)``-row chunks), in the shards' dtype, for the weights and for the grads
 that FSDP2 moves down into host RAM, plus CPUAdam's two moments (8-bit: codes and a float32 scale
-per block of the whole param that the shard touches, as ``cpu_adam.shards`` lays them out); the
+per block of the whole param that the shard touches, as ``cpu_adam.fsdp2.places`` lays them out); the
 rank holding the most. The GPU holds, per unit, its
 weights all-gathered in the compute dtype, the next unit's gathered ahead (FSDP2's prefetch) and,
 in backward, the unit's unsharded grads in the reduce dtype with their reduce-scattered shard:
@@ -161,7 +161,7 @@ def plan_fsdp2(
 
 def _rank_shards(spec: ModelSpec, world_size: int) -> list[tuple[int, int]]:
     """(elements, 8-bit scale blocks) of each rank's shards: FSDP2's ``ceil(rows / world_size)``-row chunks of
-    each param (a bare count: one flat param), the blocks as ``cpu_adam.shards`` lays them out."""
+    each param (a bare count: one flat param), the blocks as ``cpu_adam.fsdp2.places`` lays them out."""
     shapes = [(spec.count,)] if spec.count is not None else [s or (1,) for g in spec.groups for s in g]
     ranks = []
     for rank in range(world_size):

@@ -1,7 +1,7 @@
 """8-bit moments of DTensor params (FSDP2) in state dicts, so that ``torch.distributed.checkpoint``
 reshards them.
 
-A shard's block scales follow the whole param's blocks (``shards.py``), but a block cut by a shard
+A shard's block scales follow the whole param's blocks (``places.py``), but a block cut by a shard
 boundary has a scale on each side, so no [2, blocks] tensor of the whole param holds them. The state
 dict holds instead, for each moment, each element's block scale as its power of two: an int8 DTensor
 shaped and sharded like the param (``EXPONENTS``; every scale is a power of two, 2^-112 to 2^127, or
@@ -14,19 +14,50 @@ values (``quant8.encode``). In memory the shard keeps its [2, blocks] scales (2 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from . import quant8
-from ._precision import MOMENTS, SCALES
-from .shards import block_sizes, element_scales, head_size
+from .. import quant8
+from .._precision import MOMENTS, SCALES
+from .places import block_sizes, element_scales, head_size, is_dtensor, local
 
-__all__ = ["EXPONENTS", "check_exponents", "exponents_of", "loaded_moments"]
+__all__ = ["EXPONENTS", "check_exponents", "exponents_of", "loaded_moments", "shaped_like", "with_exponents"]
 
 EXPONENTS = ("exp_avg_block_exponent", "exp_avg_sq_block_exponent")
 _NAN = -128  # the exponent of a NaN scale (a block that held a non-finite value)
 _SMALLEST, _LARGEST = -112, 127
+
+
+def with_exponents(
+    saved: dict[str, Any],
+    params: list[Tensor],
+    state: Mapping[Tensor, dict[str, Any]],
+    start_of: Callable[[Tensor], int],
+) -> dict[str, Any]:
+    """torch's optimizer state dict ``saved`` (its entries indexed as ``params``) with the 8-bit moments' block
+    scales of DTensor params as each element's exponents, int8 DTensors sharded like the param."""
+    for index, p in enumerate(params):
+        own = state.get(p)
+        if not own or SCALES not in own or not is_dtensor(own["exp_avg"]):
+            continue
+        exponents = exponents_of(own[SCALES], local(p).numel(), start_of(p))
+        entry = {k: v for k, v in saved["state"][index].items() if k != SCALES}
+        for name, each in zip(EXPONENTS, exponents):
+            entry[name] = shaped_like(p, each)
+        saved["state"][index] = entry
+    return saved
+
+
+def shaped_like(p: Tensor, values: Tensor) -> Tensor:
+    """``values`` (a shard's, any shape of its size) as a tensor like ``p``: a DTensor sharded as it is."""
+    if not is_dtensor(p):
+        return values.reshape(p.shape)
+    shaped = torch.empty_like(p, dtype=values.dtype)
+    shaped.to_local().copy_(values.reshape(shaped.to_local().shape))
+    return shaped
 
 
 def exponents_of(scales: Tensor, numel: int, start: int) -> Tensor:

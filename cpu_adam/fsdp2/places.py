@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .quant8 import BLOCK
+from ..quant8 import BLOCK
 
 __all__ = [
     "Piece",
