@@ -835,6 +835,27 @@ def test_steps_without_grads_or_with_zero_grads_change_nothing() -> None:
     assert [s["step"].item() for s in optimizer.state.values()] == [1.0, 1.0, 1.0]
 
 
+def test_a_warmup_from_lr_0_steps_as_adamw_from_its_first_grads() -> None:
+    """A schedule that starts at lr 0 (HF's linear warmup) takes a real first step: its grads reach the moments and
+    it is counted, as in AdamW. Only lr 0 with all-zero grads is torch.distributed.checkpoint's state
+    initialisation, which counts nothing; taken for it, the first grads were lost and the count was one short."""
+    ours_params = make_params()
+    torch_params = clone_params(ours_params)
+    ours = CPUAdam(ours_params, **HYPER)
+    reference = torch.optim.AdamW(torch_params, **HYPER, foreach=False)
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda step: min(1.0, step / 3)) for o in (ours, reference)]
+    assert ours.param_groups[0]["lr"] == reference.param_groups[0]["lr"] == 0.0
+    for step in range(5):
+        _twin_steps(ours, reference, ours_params, torch_params, range(step, step + 1))
+        for scheduler in schedulers:
+            scheduler.step()
+    for p, q in zip(ours_params, torch_params):
+        assert ours.state[p]["step"].item() == reference.state[q]["step"].item() == 5
+        assert_close_in_ulps_of(ours.state[p]["exp_avg"], reference.state[q]["exp_avg"], GRAD_SCALE, "exp_avg")
+        assert_ulps(ours.state[p]["exp_avg_sq"], reference.state[q]["exp_avg_sq"], 8, "exp_avg_sq")
+        assert_close_in_ulps_of(p, q, 4 * HYPER["lr"], "param")
+
+
 # ---- torch.compile ----
 
 

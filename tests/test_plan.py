@@ -472,6 +472,57 @@ def test_the_fsdp2_plan_is_what_each_rank_holds(tmp_path: Path):
     assert rows["fp32", "fp32"].rank_params == 17 * 12 + 17 + 5 * 33 + 5 + 9  # ceil(rows / 2) of each param
 
 
+def _blocks_touched(start: int, stop: int) -> int:
+    """The 256-element blocks of a whole param that its elements [start, stop) touch: a scale for each."""
+    return (stop - 1) // 256 - start // 256 + 1 if stop > start else 0
+
+
+def _held_by_the_fullest_rank(model: nn.Module, world_size: int, precision: str) -> tuple[int, int]:
+    """(elements, 8-bit state bytes) of the rank holding the most bytes, from its shards as torch.chunk cuts
+    each param's rows (FSDP2's Shard(0)), fp32 shards."""
+    held = []
+    for rank in range(world_size):
+        elements = blocks = 0
+        for p in model.parameters():
+            rows, row = p.shape[0], p[0].numel()
+            chunks = torch.arange(rows).chunk(world_size)
+            mine = chunks[rank] if rank < len(chunks) else torch.arange(0)
+            start, stop = (int(mine[0]) * row, (int(mine[-1]) + 1) * row) if len(mine) else (0, 0)
+            elements += stop - start
+            blocks += _blocks_touched(start, stop)
+        state = 2 * elements + 8 * blocks if precision == "8bit" else 2 * 4 * elements
+        held.append((2 * 4 * elements + state, elements, state))
+    _, elements, state = max(held)
+    return elements, state
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_the_fsdp2_plan_counts_the_blocks_that_shards_starting_inside_one_touch(world_size: int):
+    """A shard starting inside an 8-bit block has a scale for its part of that block: 8 bytes more than an aligned
+    shard of its size. 34 rows of 12 split evenly over 2 ranks (and 9 rows over 4): the rank holding the most
+    starts inside a block, and the plan counted its blocks as if it started on one."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 34, bias=False), nn.Linear(34, 300, bias=False))
+    for row in plan_fsdp2(model, world_size, **BUDGET):
+        if row.shard_dtype == "fp32" and row.state_precision in ("fp32", "8bit"):
+            expected = _held_by_the_fullest_rank(model, world_size, row.state_precision)
+            assert (row.rank_params, row.state_bytes) == expected, row.state_precision
+
+
+def test_more_ranks_per_host_than_the_world_size_plans_the_world_size(capsys):
+    """A host holds at most the world's ranks: --ranks-per-host 8 at world size 2 plans the 2 ranks' RAM (104 GiB
+    for 7B in fp32, which fits 150 GiB), not 8 ranks' 417 GiB that do not."""
+    budget = ["--gpu-memory", "80GiB", "--host-memory", "150GiB", "--unit-params", "1B", "--probe-seconds", "0"]
+    rows = {}
+    for per_host in ("8", "2"):
+        main(["7B", "--fsdp2", "--world-size", "2", "--ranks-per-host", per_host, *budget, "--json"])
+        rows[per_host] = json.loads(capsys.readouterr().out)
+    fp32 = rows["8"][0]
+    assert (fp32["shard_dtype"], fp32["state_precision"], fp32["ranks_per_host"]) == ("fp32", "fp32", 2)
+    assert fp32["host_bytes"] == 2 * fp32["rank_bytes"] == 16 * 7 * 10**9 and fp32["fits"] is True
+    assert rows["8"] == rows["2"]
+
+
 def test_the_fsdp2_units_are_a_config_models_layers(tmp_path: Path):
     for name, config in CONFIGS.items():
         spec = from_config(write_config(tmp_path, config))
