@@ -2,7 +2,7 @@
 their whole param (gloo ranks on the CPU).
 
 A shard's 8-bit blocks are the whole param's blocks cut to the shard: its head (the part of the block it starts
-in) has a scale of its own, then whole blocks follow (``cpu_adam.shards``). Float moments loaded into such a shard
+in) has a scale of its own, then whole blocks follow (``cpu_adam.fsdp2.places``). Float moments loaded into such a shard
 are quantized in those blocks; 8-bit codes whose scales are blocks of the local tensor (what a checkpointer that
 copies ``optimizer.state`` saves, not ``CPUAdam.state_dict()``) are refused, since the blocks they name are not the
 shard's. The shards here start at odd elements, at even ones inside blocks, on block boundaries, and are empty.
@@ -18,7 +18,7 @@ from test_fsdp2_shards import HYPER, rows_of, sharded_model
 from torch import Tensor, nn
 
 from cpu_adam import CPUAdam, quant8
-from cpu_adam.shards import local
+from cpu_adam.fsdp2.places import local
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
