@@ -20,7 +20,7 @@ import torch
 
 from .._precision import STATE_PRECISIONS, state_dtype
 from ..quant8 import BLOCK
-from ..shards import local_blocks
+from ..fsdp2.places import local_blocks
 from .models import ModelLike, ModelSpec, model_spec
 from .probe import DEFAULT_PROBE_SECONDS, measure_bandwidth, pace_factor
 from .sizes import PlanError, detect_gpu_memory, detect_host_memory, parse_count
