@@ -583,3 +583,31 @@ def test_the_command_line_plans_fsdp2(tmp_path: Path, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["7B", "--fsdp2", "--world-size", "0", "--probe-seconds", "0"])
     assert exit_.value.code == 2 and "world size" in capsys.readouterr().err
+
+
+def _forward_waits(step: float, forward: float, shares: list[float]) -> float:
+    """An independent count of what a forward waits for a step behind it, unit by unit: unit k's forward runs once
+    units 0..k are stepped (the host steps them in order), each taking its share of each."""
+    stepped_until = [sum(shares[: k + 1]) * step for k in range(len(shares))]
+    now, waited = 0.0, 0.0
+    for k, share in enumerate(shares):
+        if now < stepped_until[k]:
+            waited += stepped_until[k] - now
+            now = stepped_until[k]
+        now += share * forward
+    return waited
+
+
+@pytest.mark.parametrize(
+    ("step", "forward", "shares"),
+    [(0.2, 0.127, [0.08] + [0.92 / 24] * 24), (0.05, 0.127, [0.08] + [0.92 / 24] * 24), (1.0, 1.0, [0.5, 0.25, 0.25])],
+    ids=["step longer than the forward", "step shorter", "units of other sizes"],
+)
+def test_the_exposed_time_behind_the_forward_is_what_the_forward_waits(
+    step: float, forward: float, shares: list[float]
+) -> None:
+    from cpu_adam.plan.fsdp2 import exposed_behind
+
+    expected = _forward_waits(step, forward, shares)
+    assert abs(exposed_behind(step, forward, shares) - expected) < 1e-12
+    assert exposed_behind(step, forward, shares) >= step * shares[0] - 1e-12  # the first unit's step, at least

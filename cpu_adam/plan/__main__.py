@@ -67,6 +67,10 @@ def main(argv: list[str] | None = None) -> None:
     fsdp2.add_argument(
         "--unit-params", metavar="COUNT", help="the largest FSDP2 unit's params (default: a config's largest layer)"
     )
+    fsdp2.add_argument(
+        "--tokens", metavar="N", type=int, default=16384, help="each rank's tokens a step (default 16384: 2048 x 8)"
+    )
+    fsdp2.add_argument("--forward-ms", metavar="MS", type=float, help="the GPU's forward (default: from --tokens)")
     args = parser.parse_args(argv)
     if sum(x is not None for x in (args.model, args.params, args.config)) != 1:
         parser.error("give the model once: a count or a config.json path (7e9, --params 1.3B, --config config.json)")
@@ -78,6 +82,7 @@ def main(argv: list[str] | None = None) -> None:
         bandwidth = measure_bandwidth(args.probe_seconds) if args.probe_seconds > 0 else None
         if args.fsdp2:
             options = dict(ranks_per_host=args.ranks_per_host, unit_params=args.unit_params, bandwidth=bandwidth)
+            options.update(tokens=args.tokens, forward_seconds=args.forward_ms and args.forward_ms / 1e3)
             options["probe_seconds"] = 0  # probed above, or not at all
             fsdp2_rows = plan_fsdp2(spec, args.world_size, gpu, host, **options)
     except PlanError as error:

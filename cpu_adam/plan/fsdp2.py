@@ -19,14 +19,18 @@ from dataclasses import dataclass
 import torch
 
 from .._precision import STATE_PRECISIONS, state_dtype
-from ..quant8 import BLOCK
 from ..fsdp2.places import local_blocks
+from ..quant8 import BLOCK
 from .models import ModelLike, ModelSpec, model_spec
 from .probe import DEFAULT_PROBE_SECONDS, measure_bandwidth, pace_factor
 from .sizes import PlanError, detect_gpu_memory, detect_host_memory, parse_count
 from .table import budget
 
-__all__ = ["SHARD_DTYPES", "FSDP2Row", "fsdp2_step_bytes_per_param", "plan_fsdp2"]
+__all__ = ["FORWARD_FLOPS", "SHARD_DTYPES", "FSDP2Row", "exposed_behind", "fsdp2_step_bytes_per_param", "plan_fsdp2"]
+
+# The forward's pace under FSDP2 with CPUOffloadPolicy on one H200: 1.32B params x 16,384 tokens x 2 flops in
+# 127 ms (benchmarks/results/h200-2026-12-04): the gathers' copies up included.
+FORWARD_FLOPS = 340e12
 
 SHARD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 SCALE_BYTES = 2 * torch.float32.itemsize  # per 256-element block: one scale per moment
@@ -51,6 +55,14 @@ class FSDP2Row:
     gpu_memory: int | None
     step_bytes_per_param: float
     step_seconds: float | None  # every rank of a host stepping at once, sharing its memory bandwidth
+    forward_seconds: float | None = None  # the GPU's forward, which a step behind it runs beside
+    exposed_seconds: float | None = None  # of the step behind the forward: what the forward waits for it
+
+    @property
+    def hidden_seconds(self) -> float | None:
+        if self.step_seconds is None or self.exposed_seconds is None:
+            return None
+        return self.step_seconds - self.exposed_seconds
 
     @property
     def rank_bytes(self) -> int:
@@ -103,6 +115,8 @@ def plan_fsdp2(
     reduce_dtype: torch.dtype = torch.float32,
     probe_seconds: float = DEFAULT_PROBE_SECONDS,
     bandwidth: float | None = None,
+    tokens: int = 16384,
+    forward_seconds: float | None = None,
 ) -> list[FSDP2Row]:
     """One ``FSDP2Row`` per shard dtype and moment precision, for ``model`` sharded over ``world_size`` ranks.
 
@@ -110,6 +124,8 @@ def plan_fsdp2(
     ``unit_params``: the largest FSDP2 unit's elements (default: from a config.json's layers and embeddings;
     unknown for a bare count). ``compute_dtype`` / ``reduce_dtype``: ``MixedPrecisionPolicy``'s ``param_dtype``
     and ``reduce_dtype`` (torchtitan's defaults). ``host_memory`` is one host's, ``gpu_memory`` one GPU's.
+    ``tokens``: each rank's tokens a step, for the forward's time at ``FORWARD_FLOPS`` (or ``forward_seconds``),
+    beside which a step behind the forward runs (``exposed_behind``).
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise PlanError(f"cpu_adam.plan: the world size must be a whole number of ranks >= 1, got {world_size!r}")
@@ -124,6 +140,9 @@ def plan_fsdp2(
     host = budget(host_memory, "host_memory", detect_host_memory)
     if bandwidth is None and probe_seconds > 0:
         bandwidth = measure_bandwidth(probe_seconds)
+    if forward_seconds is None:
+        forward_seconds = 2 * spec.params * tokens / FORWARD_FLOPS
+    shares = _unit_shares(spec)
     rows = []
     for shard_name, shard_dtype in SHARD_DTYPES.items():
         for precision in STATE_PRECISIONS:
@@ -154,9 +173,30 @@ def plan_fsdp2(
                     gpu,
                     moved,
                     seconds,
+                    forward_seconds,
+                    None if seconds is None else exposed_behind(seconds, forward_seconds, shares),
                 )
             )
     return rows
+
+
+def exposed_behind(step_seconds: float, forward_seconds: float, shares: list[float]) -> float:
+    """What a forward waits for a step behind it: unit k's forward begins once units 0..k are stepped, in the
+    order it gathers them, each unit's step and forward taking its share (``shares``, in that order) of each.
+    The forward ends at the latest of (steps through k) + (forwards from k on); less the forward itself."""
+    stepped, left, latest = 0.0, forward_seconds, 0.0
+    for share in shares:
+        stepped += step_seconds * share
+        latest = max(latest, stepped + left)
+        left -= forward_seconds * share
+    return latest - forward_seconds
+
+
+def _unit_shares(spec: ModelSpec) -> list[float]:
+    """Each unit's share of the params in the order a forward gathers them (a config's embedding, layers and head);
+    for a bare count, 32 equal layers."""
+    units = list(spec.units) or [1] * 32
+    return [u / sum(units) for u in units]
 
 
 def _rank_shards(spec: ModelSpec, world_size: int) -> list[tuple[int, int]]:

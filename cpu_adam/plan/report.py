@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from ..quant8 import BLOCK
-from .fsdp2 import FSDP2Row
+from .fsdp2 import FORWARD_FLOPS, FSDP2Row
 from .models import ModelSpec
 
 GIB = 2**30
@@ -63,7 +63,7 @@ def print_fsdp2(rows: list[FSDP2Row], spec: ModelSpec, sides: list[str], *, as_j
 
 def _fsdp2_table(rows: list[FSDP2Row]) -> str:
     headers = ["shards", "moments", "rank GiB", "B/param", "host GiB", "GPU GiB/unit", "GPU left GiB", "fits"]
-    headers.append("CPU step")
+    headers += ["CPU step", "behind fwd: exposed", "hidden"]
     body = [
         [
             r.shard_dtype + (" (SR)" if r.shard_dtype == "bf16" else ""),
@@ -75,6 +75,8 @@ def _fsdp2_table(rows: list[FSDP2Row]) -> str:
             "?" if r.gpu_left is None else f"{r.gpu_left / GIB:,.2f}",
             fits(r),
             "" if r.step_seconds is None else f"~{seconds(r.step_seconds)} (estimate)",
+            "" if r.exposed_seconds is None else f"~{seconds(r.exposed_seconds)}",
+            "" if r.hidden_seconds is None else f"~{seconds(r.hidden_seconds)}",
         ]
         for r in rows
     ]
@@ -105,5 +107,13 @@ def _fsdp2_notes(row: FSDP2Row) -> str:
             "CPU step: every rank of a host stepping its shards at once, at this machine's probe pace (all its "
             "threads shared by the host's ranks); with 8-bit moments times the factor their steps measured over it. "
             "Not in it: FSDP2's copies of the weights up and of the grads down."
+        )
+        notes.append(
+            f"behind fwd: the step run behind the next forward (cpu_adam.fsdp2.step_behind_forward), beside a "
+            f"forward of ~{seconds(row.forward_seconds)} (2 flops a param a token at "
+            f"{FORWARD_FLOPS / 1e12:.0f} TFLOP/s, the pace measured on an H200 under FSDP2 with CPU offload; "
+            "--tokens, --forward-ms): exposed is what the forward waits for it, each unit's gather for its own "
+            "unit; hidden runs while the GPU computes. The clip norm (before the step, a pass over the grads) "
+            "is not in either."
         )
     return "\n".join(f"- {n}" for n in notes)
