@@ -379,3 +379,32 @@ def test_state_dicts_taken_on_another_thread_wait(world_of_one: None, read: str)
         saver.start()
         saver.join()
     assert_same(got, THREAD_READS[read](serial, serial_opt), f"{read} on another thread")
+
+
+def test_a_mode_of_the_trainers_own_pushed_after_the_guard_keeps_its_place(world_of_one: None) -> None:
+    """A step behind the forward while the trainer's own torch function mode is on: its mode stays where it was,
+    and the guard leaves the stack when its step is done (no guard piles up, step after step)."""
+    from torch.overrides import TorchFunctionMode
+
+    class Counting(TorchFunctionMode):
+        calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            Counting.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    serial, serial_opt = build(CASE)
+    ours, our_opt = build(CASE)
+    step_behind_forward(ours, our_opt)
+    depth = torch._C._len_torch_function_stack()
+    with slow_units(0.01):
+        for step in range(3):
+            for model, optimizer in ((serial, serial_opt), (ours, our_opt)):
+                forward_backward(model, CASE, step)
+                optimizer.step()
+                with Counting():
+                    optimizer.zero_grad()
+    our_opt._behind.wait()
+    assert torch._C._len_torch_function_stack() == depth, "guards piled up on the stack"
+    assert Counting.calls > 0
+    assert_same(tensors_of(ours, our_opt), tensors_of(serial, serial_opt), "with a mode of the trainer's own")

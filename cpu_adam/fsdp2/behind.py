@@ -15,6 +15,7 @@ the result is bitwise the serial step's. Lifecycle: ``IDLE`` (no step queued) ->
 from __future__ import annotations
 
 import enum
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -250,16 +251,23 @@ class StepBehindForward:
         self._retire_guard()
         in_flight = self._in_flight
         self._guard = ReadGuard(self._unit_of, self._held, self._wait_unit, self._wait_all, lambda: in_flight.finished)
+        self._guard_thread = threading.get_ident()
         torch._C._push_on_torch_function_stack(self._guard)
 
     def _retire_guard(self) -> None:
-        """Off the function mode stack, if it is on top (a mode pushed after it stays; it is idle meanwhile)."""
+        """Off the function mode stack of the thread that pushed it (from another thread: later, by that one);
+        modes pushed after it stay, in their order."""
         guard = self._guard
-        if guard is None:
+        if guard is None or threading.get_ident() != self._guard_thread:
             return
-        depth = torch._C._len_torch_function_stack()
-        if depth and torch._C._get_function_stack_at(depth - 1) is guard:
-            torch._C._pop_torch_function_stack()
-            self._guard = None
-            self._held = []
-            self._unit_of = {}
+        above = []
+        while torch._C._len_torch_function_stack():
+            mode = torch._C._pop_torch_function_stack()
+            if mode is guard:
+                break
+            above.append(mode)
+        for mode in reversed(above):
+            torch._C._push_on_torch_function_stack(mode)
+        self._guard = None
+        self._held = []
+        self._unit_of = {}
