@@ -14,8 +14,9 @@ forward + backward it took there (there: 175 ms against 127 + 229 ms), measured 
 what it costs here.
 
 Per mode it prints the step (forward, backward and step(), back to back), the time the GPU would be busy, and the
-exposed optimizer time (their difference); and the issue's target for the step behind the forward: exposed at
-most max(0, host step - forward) + 10% of the serial step.
+exposed optimizer time (their difference); the issue's target for the step behind the forward: exposed at most
+max(0, host step - forward) + 10% of the serial step; and what the guard of a step in flight costs a torch op on
+the stepping thread (the forward's launches on a GPU).
 
     python benchmarks/bench_fsdp2_replay.py                    # ~1 minute on 2 cores
     python benchmarks/bench_fsdp2_replay.py --params 96M --steps 8 --json replay.json
@@ -99,7 +100,8 @@ def measure(model: nn.Module, behind: bool, steps: int, unit_s: list[float], bac
     optimizer = CPUAdam(
         model.parameters(), **HYPER, state_precision="bf16", stochastic_rounding=True, max_grad_norm=MAX_NORM
     )
-    handle = step_behind_forward(model, optimizer) if behind else None
+    # Every thread: here the forward's thread sleeps, as a GPU's launching thread would mostly wait.
+    handle = step_behind_forward(model, optimizer, threads=torch.get_num_threads()) if behind else None
     times = []
     for i in range(steps + 2):  # two to warm up: the state's first step, then the first step behind
         start = time.perf_counter()
@@ -116,8 +118,8 @@ def measure(model: nn.Module, behind: bool, steps: int, unit_s: list[float], bac
 
 def host_step(model: nn.Module, rounds: int = 5) -> tuple[float, float]:
     """(kernel, norm) seconds of the serial step here, medians."""
-    import cpu_adam.optimizer as optimizer_module
     from cpu_adam import CPUAdam
+    from cpu_adam.fsdp2.norm import total_norm
 
     optimizer = CPUAdam(
         model.parameters(), **HYPER, state_precision="bf16", stochastic_rounding=True, max_grad_norm=MAX_NORM
@@ -127,12 +129,38 @@ def host_step(model: nn.Module, rounds: int = 5) -> tuple[float, float]:
     kernel, norm = [], []
     for _ in range(rounds):
         start = time.perf_counter()
-        optimizer_module.total_norm(grads)
+        total_norm(grads)
         norm.append(time.perf_counter() - start)
         start = time.perf_counter()
         optimizer.step()
         kernel.append(time.perf_counter() - start - norm[-1])
     return statistics.median(kernel), statistics.median(norm)
+
+
+def guard_cost(ops: int = 20000, rounds: int = 7) -> tuple[float, float]:
+    """Seconds of a small torch op on the stepping thread without and with the guard of a step in flight (over a
+    model's worth of guarded tensors, none of them the op's): medians of interleaved rounds."""
+    from cpu_adam.fsdp2.guard import ReadGuard
+
+    a, b = torch.ones(16), torch.ones(16)
+    held = [torch.ones(4) for _ in range(600)]
+    guard = ReadGuard({id(t): 0 for t in held}, held, lambda unit: None, lambda: None, lambda: False)
+
+    def per_op() -> float:
+        start = time.perf_counter()
+        for _ in range(ops):
+            torch.add(a, b)
+        return (time.perf_counter() - start) / ops
+
+    plain, guarded = [], []
+    for _ in range(rounds):
+        plain.append(per_op())
+        torch._C._push_on_torch_function_stack(guard)
+        try:
+            guarded.append(per_op())
+        finally:
+            torch._C._pop_torch_function_stack()
+    return statistics.median(plain), statistics.median(guarded)
 
 
 def main() -> None:
@@ -167,11 +195,14 @@ def main() -> None:
     for name, row in (("serial", serial), ("behind the next forward", behind)):
         lines.append(f"{name:<28}{row['step_s'] * 1e3:>9.1f}{row['gpu_s'] * 1e3:>9.1f}{row['exposed_s'] * 1e3:>12.1f}")
     verdict = "met" if behind["exposed_s"] <= bar else "missed"
+    plain_op, guarded_op = guard_cost()
     lines += [
         "",
         f"behind: {serial['step_s'] / behind['step_s']:.2f}x the serial step's speed; exposed "
         f"{behind['exposed_s'] * 1e3:.1f} ms; the target, max(0, host step - forward) + 10% of the serial step: "
         f"{bar * 1e3:.1f} ms ({verdict})",
+        f"the guard while a step is in flight: a small torch op on the stepping thread {plain_op * 1e6:.2f} us, "
+        f"{guarded_op * 1e6:.2f} us under it (+{(guarded_op - plain_op) * 1e6:.2f} us an op)",
     ]
     print("\n".join(lines))
     if args.json:

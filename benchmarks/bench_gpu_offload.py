@@ -365,11 +365,15 @@ class FSDP2(Contender):
 
     def _time_the_host_step(self) -> None:
         """The norm's and the kernel's seconds inside CPUAdam's step (the serial kernel; behind: the units')."""
+        import cpu_adam.clipping as clipping_module
         import cpu_adam.optimizer as optimizer_module
 
         self.host_clock = {"norm": 0.0, "kernel": 0.0}
-        for name, key in (("total_norm", "norm"), ("adam_step_groups", "kernel")):
-            real = getattr(optimizer_module, name)
+        for module, name, key in (
+            (clipping_module, "total_norm", "norm"),
+            (optimizer_module, "adam_step_groups", "kernel"),
+        ):
+            real = getattr(module, name)
 
             def timed(*args: Any, _real: Any = real, _key: str = key, **kwargs: Any) -> Any:
                 t = time.perf_counter()
@@ -378,7 +382,7 @@ class FSDP2(Contender):
                 finally:
                     self.host_clock[_key] += time.perf_counter() - t
 
-            setattr(optimizer_module, name, timed)
+            setattr(module, name, timed)
 
     def step(self) -> None:
         if MAX_NORM is not None and getattr(self.opt, "max_grad_norm", None) is None:
