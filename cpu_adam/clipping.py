@@ -17,9 +17,9 @@ from torch import Tensor
 from .fsdp2.norm import total_norm
 from .fsdp2.places import is_dtensor
 
-__all__ = ["NOT_SAID", "check_max_grad_norm", "clip_factor", "clipped", "norm_group_of"]
+__all__ = ["ASK", "check_max_grad_norm", "clip_factor", "clipped", "norm_group_of"]
 
-NOT_SAID = "not said"  # norm_group's default: where the ranks' plain grads might be replicas or parts, ask
+ASK = "ask"  # norm_group's default: where the ranks' plain grads might be replicas or parts, ask which
 
 
 def check_max_grad_norm(owner: str, max_grad_norm: object) -> float | None:
@@ -57,7 +57,7 @@ def norm_group_of(grads: Sequence[Tensor], norm_group: object) -> object:
             "(and under ZeRO-3 one sub-group per step() call), so no norm CPUAdam takes is the global one. Clip with "
             'DeepSpeed\'s own option, "gradient_clipping": <max norm> in its config, and leave max_grad_norm None'
         )
-    if norm_group != NOT_SAID:
+    if norm_group != ASK:
         return norm_group
     ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     if ranks > 1 and any(not is_dtensor(g) for g in grads):

@@ -23,7 +23,7 @@ from ._precision import (
 from ._saved_state import split_moments
 from ._turn import Turn, one_at_a_time
 from ._validation import check_hyper_parameters, check_param_group, check_step_count, checked_seed
-from .clipping import NOT_SAID, check_max_grad_norm, clipped
+from .clipping import ASK, check_max_grad_norm, clipped
 from .fsdp2 import checkpoint_form, places
 
 logger = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ class CPUAdam(torch.optim.Optimizer):
         stochastic_rounding: bool = False,
         seed: int | None = None,
         max_grad_norm: float | None = None,
-        norm_group: object = NOT_SAID,
+        norm_group: object = ASK,
         maximize: bool = False,
         foreach: bool | None = None,
         fused: bool | None = None,
@@ -155,10 +155,10 @@ class CPUAdam(torch.optim.Optimizer):
 
     def __getstate__(self) -> dict[str, Any]:
         # A process group does not pickle: a copy asks for it again (max_grad_norm refuses until it is set).
-        group = self.__dict__.get("norm_group", NOT_SAID)
+        group = self.__dict__.get("norm_group", ASK)
         own = {
             "max_grad_norm": self.__dict__.get("max_grad_norm"),
-            "norm_group": group if group in (None, NOT_SAID) else NOT_SAID,
+            "norm_group": group if group in (None, ASK) else ASK,
         }
         return {**super().__getstate__(), **own}
 
@@ -168,7 +168,7 @@ class CPUAdam(torch.optim.Optimizer):
         # load_state_dict, torch's load calls this too: the lock held stays the one.
         self.__dict__.setdefault("_turn", Turn())
         self.__dict__.setdefault("max_grad_norm", None)
-        self.__dict__.setdefault("norm_group", NOT_SAID)
+        self.__dict__.setdefault("norm_group", ASK)
         self.__dict__.setdefault("grad_norm", None)
         # Groups loaded from torch.optim.Adam/AdamW lack our keys (and only those are added:
         # keys torch's own __setstate__ puts in the defaults would change the state dict).
@@ -251,7 +251,7 @@ class CPUAdam(torch.optim.Optimizer):
         if max_grad_norm is None:
             return 1.0
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-        self.grad_norm, factor = clipped("CPUAdam", grads, max_grad_norm, self.__dict__.get("norm_group", NOT_SAID))
+        self.grad_norm, factor = clipped("CPUAdam", grads, max_grad_norm, self.__dict__.get("norm_group", ASK))
         if factor is None:
             self.skipped_steps = self.__dict__.get("skipped_steps", 0) + 1
             logger.warning(
