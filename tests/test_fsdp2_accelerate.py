@@ -3,7 +3,9 @@
 What an accelerate user configures for a model larger than the GPU: ``FullyShardedDataParallelPlugin
 (fsdp_version=2, cpu_offload=True)``, the optimizer built on the model before ``prepare`` (which
 moves it onto the DTensor shards), then ``accumulate``, ``backward``, ``clip_grad_norm_`` (the
-global norm over the CPU shards, all-reduced on gloo) and ``save_state`` / ``load_state`` (DCP).
+global norm over the CPU shards, all-reduced on gloo) and ``save_state`` / ``load_state`` (DCP). With the step behind
+the forward (``step_behind_forward`` on the prepared model and the CPUAdam inside the prepared optimizer) the same
+loop, with an LR scheduler, trains and resumes bit for bit as the serial one.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate_fsdp2_cpu import as_beside_gpus, cpu_offload_plugin
+from behind_setup import slow_units
 from rank_spawn import run_ranks
 
 pytest.importorskip("accelerate")
@@ -24,14 +27,16 @@ from test_accelerate import _with_accelerate as train  # one process's loop: acc
 from tiny_gpt2 import tiny_gpt2, token_batches
 
 from cpu_adam import CPUAdam
+from cpu_adam.fsdp2 import step_behind_forward
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 Build = Callable[[torch.nn.Module], torch.optim.Optimizer]
+UNITS = ["the root", "'transformer.wte'", "'transformer.h.0'", "'transformer.h.1'"]  # accelerate's FSDP2 units
 
 
-def prepared(seed: int, build: Build):
-    """A fresh Accelerator with the FSDP2 plugin offloading to the CPU, and the prepared model and optimizer."""
+def fsdp2_accelerator():
+    """A fresh Accelerator with the FSDP2 plugin offloading to the CPU."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
 
@@ -44,6 +49,12 @@ def prepared(seed: int, build: Build):
     )
     accelerator = Accelerator(cpu=True, fsdp_plugin=plugin, gradient_accumulation_steps=ACCUMULATION)
     as_beside_gpus(accelerator, plugin)  # see accelerate_fsdp2_cpu.py: accelerate's FSDP2 path from here on
+    return accelerator
+
+
+def prepared(seed: int, build: Build):
+    """A fresh FSDP2 Accelerator, and the prepared model and optimizer."""
+    accelerator = fsdp2_accelerator()
     model = tiny_gpt2(seed)
     model, optimizer = accelerator.prepare(model, build(model))
     return accelerator, model, optimizer
@@ -54,7 +65,7 @@ def shards(model, optimizer) -> list[torch.Tensor]:
     out = []
     for p in model.parameters():
         out.append(p.to_local())
-        out += [state[p][key].to_local() for key in ("exp_avg", "exp_avg_sq")]
+        out += [state[p][key].to_local() for key in ("exp_avg", "exp_avg_sq")] + [state[p]["step"]]
     return out
 
 
@@ -89,3 +100,62 @@ def _trains_as_torch_adamw_and_resumes(rank: int, world_size: int, folder: str) 
 
 def test_fsdp2_plugin_with_cpu_offload_steps_clips_and_resumes_cpu_adam(tmp_path: Path) -> None:
     run_ranks(_trains_as_torch_adamw_and_resumes, str(tmp_path / "state"), timeout_s=180)
+
+
+def prepared_with_a_schedule(seed: int):
+    """A fresh FSDP2 Accelerator, and the prepared model, CPUAdam and LR scheduler."""
+    accelerator = fsdp2_accelerator()
+    model = tiny_gpt2(seed)
+    optimizer = CPUAdam(model.parameters(), **HYPER)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (1 + step))
+    return accelerator, *accelerator.prepare(model, optimizer, scheduler)
+
+
+def train_with_a_schedule(accelerator, model, optimizer, scheduler, data: list[torch.Tensor]) -> list[float]:
+    """accelerate's loop: accumulate, backward, clip_grad_norm_, step, the scheduler's step, zero_grad."""
+    norms = []
+    for tokens in data:
+        with accelerator.accumulate(model):
+            accelerator.backward(model(input_ids=tokens, labels=tokens).loss)
+            if accelerator.sync_gradients:
+                norms.append(float(accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)))
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+    return norms
+
+
+def _behind_forward_trains_and_resumes_as_the_serial_step(rank: int, world_size: int, folder: str) -> None:
+    data = token_batches(4 * ACCUMULATION, seed=1 + rank)
+    half = len(data) // 2
+    serial = prepared_with_a_schedule(0)
+    expected_norms = train_with_a_schedule(*serial, data)
+    expected = shards(*serial[1:3])
+
+    accelerator, model, optimizer, scheduler = prepared_with_a_schedule(0)
+    handle = step_behind_forward(model, optimizer.optimizer)  # prepare returns the FSDP2 model, CPUAdam wrapped
+    with slow_units(0.02):  # each unit's step lags: what does not wait for it would read the old values
+        norms = train_with_a_schedule(accelerator, model, optimizer, scheduler, data[:half])
+        accelerator.save_state(folder)  # right after a step()
+        norms += train_with_a_schedule(accelerator, model, optimizer, scheduler, data[half:])
+        straight = shards(model, optimizer)
+    assert list(handle.unit_seconds) == UNITS  # the last step was queued unit by unit, in the forward's order
+    handle.remove()
+    assert norms == expected_norms
+    for mine, theirs in zip(straight, expected, strict=True):
+        assert torch.equal(mine, theirs), f"rank {rank}: behind the forward differs from the serial step"
+
+    accelerator, model, optimizer, scheduler = prepared_with_a_schedule(7)  # other weights
+    handle = step_behind_forward(model, optimizer.optimizer)
+    accelerator.load_state(folder)
+    with slow_units(0.02):
+        train_with_a_schedule(accelerator, model, optimizer, scheduler, data[half:])
+        resumed = shards(model, optimizer)
+    handle.remove()
+    assert scheduler.get_last_lr() == serial[3].get_last_lr()
+    for mine, theirs in zip(resumed, expected, strict=True):
+        assert torch.equal(mine, theirs), f"rank {rank}: the resumed run differs from the serial one"
+
+
+def test_the_step_behind_the_forward_trains_and_resumes_as_the_serial_step_with_accelerate(tmp_path: Path) -> None:
+    run_ranks(_behind_forward_trains_and_resumes_as_the_serial_step, str(tmp_path / "state"), timeout_s=180)

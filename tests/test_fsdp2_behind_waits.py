@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -106,6 +107,52 @@ def test_a_read_after_step_sees_the_stepped_values(world_of_one: None, read: str
         serial, serial_opt, ours, our_opt = stepped_pair()
         got = READS[read](ours, our_opt)
     assert_same(got, READS[read](serial, serial_opt), read)
+
+
+@pytest.mark.parametrize("read", READS, ids=list(READS))
+def test_a_read_after_the_next_step_sees_it_stepped(world_of_one: None, read: str) -> None:
+    """The first step ends inside the next forward (its units long stepped, no wait() on the handle); a read right
+    after the second step() waits for that one, as after the first."""
+    serial, serial_opt, ours, our_opt = stepped_pair()
+    with slow_units():
+        for model, optimizer in ((serial, serial_opt), (ours, our_opt)):
+            optimizer.zero_grad()
+            forward_backward(model, CASE, 1)
+            optimizer.step()
+        got = READS[read](ours, our_opt)
+    assert_same(got, READS[read](serial, serial_opt), f"{read} after the second step")
+
+
+def test_a_step_after_one_a_backward_ended_guards_its_own_tensors(world_of_one: None) -> None:
+    """The first step ends in a backward of a graph made before it (so no forward retires its guard); the second
+    step's guard is its own: a read right after it waits for it."""
+    serial, serial_opt = build(CASE)
+    ours, our_opt = build(CASE)
+    step_behind_forward(ours, our_opt)
+    for model, optimizer in ((serial, serial_opt), (ours, our_opt)):
+        forward_backward(model, CASE, 0)
+        x, y = batch(CASE, 1)
+        loss = nn.functional.mse_loss(model(x), y)
+        optimizer.step()
+        optimizer.zero_grad()
+        loss.backward()
+    with slow_units():
+        for optimizer in (serial_opt, our_opt):
+            optimizer.step()
+        got = READS["full_tensor()"](ours, our_opt)
+    assert_same(got, READS["full_tensor()"](serial, serial_opt), "full_tensor() after the second step")
+
+
+def test_the_guard_leaves_with_the_forward_that_ends_the_step(world_of_one: None) -> None:
+    """The forward after a step is the guard's last need: the backward runs without it, and the grads the step read
+    go with zero_grad(), not with the next step."""
+    modes = torch._C._len_torch_function_stack()
+    _serial, _serial_opt, ours, our_opt = stepped_pair()
+    grad = weakref.ref(next(ours.parameters()).grad)
+    our_opt.zero_grad()
+    ours(batch(CASE, 1)[0])
+    assert torch._C._len_torch_function_stack() == modes, "the guard is still on the stack"
+    assert grad() is None, "the grads the step read are still held"
 
 
 def test_the_forward_waits_for_each_unit_alone(world_of_one: None) -> None:

@@ -4,7 +4,8 @@ What a Trainer user sets for a model larger than the GPU: ``fsdp="full_shard off
 with ``fsdp_config={"version": 2, ...}``, and CPUAdam by ``optimizer_cls_and_kwargs`` (Trainer
 builds it after wrapping, over the CPU DTensor shards, with its decay / no-decay groups). Trainer's
 clipping, gradient accumulation, LR schedule and ``save_steps`` checkpoints (DCP, sharded) with
-``resume_from_checkpoint`` run as they do beside GPUs.
+``resume_from_checkpoint`` run as they do beside GPUs. With the step behind the forward (a TrainerCallback turning
+``step_behind_forward`` on at the start of training) the same training and resuming are bit for bit the serial one's.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 from accelerate_fsdp2_cpu import as_beside_gpus, cpu_offload_plugin
+from behind_setup import slow_units
 from rank_spawn import run_ranks
 
 pytest.importorskip("transformers")
@@ -22,9 +24,10 @@ pytest.importorskip("accelerate")
 
 from test_hf_trainer import HYPER, STEPS, _args, _logged_norms
 from tiny_gpt2 import TokenDataset, tiny_gpt2
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 
 from cpu_adam import CPUAdam
+from cpu_adam.fsdp2 import step_behind_forward
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -37,6 +40,7 @@ FSDP2 = {
     },
 }
 KWARGS = {k: v for k, v in HYPER.items() if k != "weight_decay"}  # Trainer's weight_decay, per group
+UNITS = ["the root", "'transformer.wte'", "'transformer.h.0'", "'transformer.h.1'"]  # accelerate's FSDP2 units
 
 
 class CPUGroupTrainer(Trainer):
@@ -49,13 +53,32 @@ class CPUGroupTrainer(Trainer):
         self.is_fsdp_enabled = True
 
 
-def train(folder: Path, seed: int, optimizer: type, resume: str | None = None, **options: Any) -> Trainer:
+class StepBehindForward(TrainerCallback):
+    """CPUAdam's steps behind the next forward while Trainer trains: on once Trainer has sharded the model and
+    accelerate has wrapped the optimizer, off at the end."""
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs) -> None:
+        self.handle = step_behind_forward(model, optimizer.optimizer)
+
+    def on_train_end(self, args, state, control, **kwargs) -> None:
+        self.handle.remove()
+
+
+def train(
+    folder: Path,
+    seed: int,
+    optimizer: type,
+    resume: str | None = None,
+    callbacks: list[TrainerCallback] | None = None,
+    **options: Any,
+) -> Trainer:
     args = _args(folder, gradient_accumulation_steps=2, **FSDP2, **options)
     trainer = CPUGroupTrainer(
         model=tiny_gpt2(seed),
         args=args,
         train_dataset=TokenDataset(64),
         optimizer_cls_and_kwargs=(optimizer, KWARGS),
+        callbacks=callbacks,
     )
     trainer.train(resume_from_checkpoint=resume)
     return trainer
@@ -66,7 +89,7 @@ def shards(trainer: Trainer) -> list[torch.Tensor]:
     out = []
     for p in trainer.model.parameters():
         out.append(p.to_local())
-        out += [state[p][key].to_local() for key in ("exp_avg", "exp_avg_sq")]
+        out += [state[p][key].to_local() for key in ("exp_avg", "exp_avg_sq")] + [state[p]["step"]]
     return out
 
 
@@ -94,3 +117,28 @@ def _trains_as_torch_adamw_and_resumes(rank: int, world_size: int, folder: str) 
 
 def test_trainer_with_fsdp2_cpu_offload_steps_and_resumes_cpu_adam(tmp_path: Path) -> None:
     run_ranks(_trains_as_torch_adamw_and_resumes, str(tmp_path), timeout_s=240)
+
+
+def _logged_losses(trainer: Trainer) -> list[float]:
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def _behind_forward_trains_and_resumes_as_the_serial_step(rank: int, world_size: int, folder: str) -> None:
+    run = Path(folder)
+    serial = train(run / "serial", 0, CPUAdam)
+    behind = StepBehindForward()
+    with slow_units(0.02):  # each unit's step lags: what does not wait for it would read the old values
+        straight = train(run / "behind", 0, CPUAdam, callbacks=[behind], save_strategy="steps", save_steps=2)
+        checkpoint = str(run / "behind" / "checkpoint-2")  # saved right after a step()
+        resumed = train(run / "behind", 7, CPUAdam, resume=checkpoint, callbacks=[StepBehindForward()])
+    assert list(behind.handle.unit_seconds) == UNITS  # the last step was queued unit by unit, in the forward's order
+    assert _logged_norms(straight) == _logged_norms(serial) and _logged_losses(straight) == _logged_losses(serial)
+    expected = shards(serial)
+    for mine, theirs in zip(shards(straight), expected, strict=True):
+        assert torch.equal(mine, theirs), f"rank {rank}: behind the forward differs from the serial step"
+    for mine, theirs in zip(shards(resumed), expected, strict=True):
+        assert torch.equal(mine, theirs), f"rank {rank}: the resumed run differs from the serial one"
+
+
+def test_the_step_behind_the_forward_trains_and_resumes_as_the_serial_step_in_trainer(tmp_path: Path) -> None:
+    run_ranks(_behind_forward_trains_and_resumes_as_the_serial_step, str(tmp_path), timeout_s=240)

@@ -149,10 +149,10 @@ class StepBehindForward:
         self._learn_order()
         steps = [[parts[k] for parts in fixed if k in parts] for k in self._order]
         names = [self.units[k].describe() for k in self._order]
-        self._guard_tensors(fixed)
+        unit_of, held = self._guard_tensors(fixed)
         self._in_flight = InFlight(steps, names, self.threads)
         self.state = State.IN_FLIGHT
-        self._push_guard()
+        self._push_guard(unit_of, held)
 
     def settle(self) -> None:
         """Before anything that reads or writes the step's tensors from outside its forward: the whole step."""
@@ -171,9 +171,10 @@ class StepBehindForward:
         return hook
 
     def _after_forward(self, module: nn.Module, args: object, output: object) -> None:
-        """A forward that gathered every unit found them all stepped: the guard leaves before the backward."""
+        """A forward that gathered every unit found them all stepped (its last wait may have ended the step): the
+        guard leaves before the backward."""
         in_flight = self._in_flight
-        if in_flight is not None and all(s not in (Status.QUEUED, Status.STEPPING) for s in in_flight.status):
+        if in_flight is None or all(s not in (Status.QUEUED, Status.STEPPING) for s in in_flight.status):
             self.wait()
 
     def _learn_order(self) -> None:
@@ -221,9 +222,9 @@ class StepBehindForward:
 
     # -- the guard ------------------------------------------------------------------------------------------
 
-    def _guard_tensors(self, fixed: list[dict[int, GroupStep]]) -> None:
-        """Which unit each tensor of the step belongs to: the params, their grads and states (DTensors and their
-        local shards), and the shards FSDP2's gather reads."""
+    def _guard_tensors(self, fixed: list[dict[int, GroupStep]]) -> tuple[dict[int, int], list[Tensor]]:
+        """Which unit each tensor of the step belongs to (by id), and the tensors: the params, their grads and states
+        (DTensors and their local shards), and the shards FSDP2's gather reads."""
         held: list[Tensor] = []
         unit_of: dict[int, int] = {}
         optimizer_state = self._optimizer.state
@@ -244,13 +245,14 @@ class StepBehindForward:
                 for t in (*step.params, *step.grads, *step.exp_avgs, *step.exp_avg_sqs, *step.steps):
                     unit_of.setdefault(id(t), self._position[k])
                     held.append(t)
-        self._unit_of = unit_of
-        self._held = held
+        return unit_of, held
 
-    def _push_guard(self) -> None:
+    def _push_guard(self, unit_of: dict[int, int], held: list[Tensor]) -> None:
+        """The last step's guard off the stack (it is still there when that step ended in a wait of the forward's),
+        this step's on."""
         self._retire_guard()
         in_flight = self._in_flight
-        self._guard = ReadGuard(self._unit_of, self._held, self._wait_unit, self._wait_all, lambda: in_flight.finished)
+        self._guard = ReadGuard(unit_of, held, self._wait_unit, self._wait_all, lambda: in_flight.finished)
         self._guard_thread = threading.get_ident()
         torch._C._push_on_torch_function_stack(self._guard)
 
@@ -269,5 +271,3 @@ class StepBehindForward:
         for mode in reversed(above):
             torch._C._push_on_torch_function_stack(mode)
         self._guard = None
-        self._held = []
-        self._unit_of = {}
