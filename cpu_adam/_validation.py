@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import Tensor
 
-__all__ = ["check_hyper_parameters", "check_param_group", "check_step_count", "checked_seed"]
+__all__ = ["check_hyper_parameters", "check_param_group", "check_step_count", "check_torch_flags", "checked_seed"]
 
 
 def check_hyper_parameters(owner: str, lr: float | Tensor, betas: Any, eps: float, weight_decay: float) -> None:
@@ -31,6 +31,23 @@ def check_hyper_parameters(owner: str, lr: float | Tensor, betas: Any, eps: floa
     if not _finite_and_non_negative(_number(owner, "weight_decay", weight_decay)):
         raise ValueError(
             f"Invalid weight_decay value: {weight_decay} ({owner}: weight_decay must be a finite number >= 0)"
+        )
+
+
+def check_torch_flags(foreach: Any, fused: Any, amsgrad: Any, capturable: Any, differentiable: Any) -> None:
+    """torch's checks and messages for what it refuses whatever the device, then what CPUAdam does not implement."""
+    if fused and differentiable:
+        raise RuntimeError("`fused` does not support `differentiable` (nor does CPUAdam: use torch.optim.AdamW)")
+    if fused and foreach:
+        raise RuntimeError("`fused` and `foreach` cannot be `True` together. (CPUAdam: pass at most one of them)")
+    if amsgrad:
+        raise ValueError(
+            "CPUAdam does not implement amsgrad; use torch.optim.AdamW(amsgrad=True) for it, or drop amsgrad=True"
+        )
+    if capturable or differentiable:
+        raise ValueError(
+            "CPUAdam supports neither capturable=True (CUDA graph capture of the step) nor differentiable=True "
+            "(autograd through the step); use torch.optim.AdamW for those"
         )
 
 

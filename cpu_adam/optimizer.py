@@ -22,7 +22,7 @@ from ._precision import (
 )
 from ._saved_state import split_moments
 from ._turn import Turn, one_at_a_time
-from ._validation import check_hyper_parameters, check_param_group, check_step_count, checked_seed
+from ._validation import check_hyper_parameters, check_param_group, check_step_count, check_torch_flags, checked_seed
 from .clipping import ASK, check_max_grad_norm, clipped
 from .fsdp2 import checkpoint_form, places
 
@@ -73,12 +73,10 @@ class CPUAdam(torch.optim.Optimizer):
             every tensor, small ones included (docs/cpu_adam.md says why).
         fp32_optimizer_states: DeepSpeed's shorthand, True for "fp32" and False for
             "bf16"; passing it with a ``state_precision`` it contradicts raises.
-        stochastic_rounding: round bfloat16 param stores stochastically, so that
-            updates below half a bfloat16 ulp still move weights on average.
-            float32 params ignore it.
-        seed: the random bits of stochastic rounding and of 8-bit codes (default 0:
-            not drawn from torch's generator, so that data-parallel replicas seeded
-            per rank still step alike). Saved in the state dict.
+        stochastic_rounding: round bfloat16 param stores stochastically (updates below half
+            an ulp still move weights on average); float32 params ignore it.
+        seed: the random bits of stochastic rounding and 8-bit codes (default 0, not drawn:
+            replicas seeded per rank still step alike). Saved in the state dict.
         max_grad_norm: clip inside the step by ``clip_grad_norm_``'s factor of the global
             norm (float64, ``cpu_adam.fsdp2.norm``; DTensors over their meshes); no pass
             rewrites the grads, and a non-finite norm skips the step (``skipped_steps``).
@@ -112,20 +110,9 @@ class CPUAdam(torch.optim.Optimizer):
         capturable: bool = False,
         differentiable: bool = False,
     ) -> None:
-        # torch's checks and messages, for what it refuses whatever the device
-        if fused and differentiable:
-            raise RuntimeError("`fused` does not support `differentiable` (nor does CPUAdam: use torch.optim.AdamW)")
-        if fused and foreach:
-            raise RuntimeError("`fused` and `foreach` cannot be `True` together. (CPUAdam: pass at most one of them)")
-        if amsgrad:
-            raise ValueError(
-                "CPUAdam does not implement amsgrad; use torch.optim.AdamW(amsgrad=True) for it, or drop amsgrad=True"
-            )
-        if capturable or differentiable:
-            raise ValueError(
-                "CPUAdam supports neither capturable=True (CUDA graph capture of the step) nor differentiable=True "
-                "(autograd through the step); use torch.optim.AdamW for those"
-            )
+        check_torch_flags(
+            foreach=foreach, fused=fused, amsgrad=amsgrad, capturable=capturable, differentiable=differentiable
+        )
         del foreach, fused  # every step is one fused pass: both implementations of torch give these numbers
         if weight_decay is None:  # as the optimizer it stands in for: torch.optim.AdamW or torch.optim.Adam
             weight_decay = 1e-2 if adamw_mode else 0.0
@@ -220,6 +207,12 @@ class CPUAdam(torch.optim.Optimizer):
         if self._optimizer_step_post_hooks or _global_optimizer_post_hooks:  # they read what the step wrote
             behind.settle()
         return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        behind = self.__dict__.get("_behind")
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if set_to_none or behind is None or any(g.grad_fn is not None for g in grads) or not behind.zero_grads(grads):
+            super().zero_grad(set_to_none)
 
     def _settled(self, verb: str) -> Any:
         """The handle of the step behind the forward (``cpu_adam.fsdp2.StepBehindForward``; None if off), with no

@@ -209,13 +209,24 @@ def test_a_load_after_step_is_not_overwritten_by_it(world_of_one: None, write: s
         assert_same(plain(ours.state_dict()), plain(source.state_dict()), write)
 
 
-def test_zero_grad_keeping_the_grads_waits(world_of_one: None) -> None:
+def test_zero_grad_keeping_the_grads_zeroes_each_unit_once_stepped(world_of_one: None) -> None:
+    """zero_grad(set_to_none=False) (torchtitan's default) right after step(): it returns with the step still in flight,
+    each unit's grads are zeroed once its step has read them, and the next forward and backward go on from there."""
     with slow_units():
         serial, serial_opt, ours, our_opt = stepped_pair()
-        our_opt.zero_grad(set_to_none=False)
+        for optimizer in (serial_opt, our_opt):
+            optimizer.zero_grad(set_to_none=False)
+        assert our_opt._behind._in_flight is not None, "zero_grad waited for the whole step"
+        for model, optimizer in ((serial, serial_opt), (ours, our_opt)):
+            forward_backward(model, CASE, 1)  # accumulates into the zeroed grads
         our_opt._behind.wait()
-    assert_same(tensors_of(ours, our_opt), tensors_of(serial, serial_opt), "zero_grad(set_to_none=False)")
-    assert all(not p.grad.full_tensor().any() for p in ours.parameters())
+        assert_same(tensors_of(ours, our_opt), tensors_of(serial, serial_opt), "after zero_grad(set_to_none=False)")
+        grads = {n: p.grad for n, p in ours.named_parameters()}
+        assert_same(plain(grads), plain({n: p.grad for n, p in serial.named_parameters()}), "the next grads")
+        for optimizer in (serial_opt, our_opt):
+            optimizer.step()
+        our_opt._behind.wait()
+    assert_same(tensors_of(ours, our_opt), tensors_of(serial, serial_opt), "the step after")
 
 
 def test_clip_grad_norm_after_step_leaves_the_step_its_grads(world_of_one: None) -> None:

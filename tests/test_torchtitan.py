@@ -229,7 +229,5 @@ def test_the_documented_command_line_selects_cpu_adam_with_cpu_offload() -> None
     assert CPUAdamOptimizers._resolve_optimizer_factory("CPUAdam") is CPUAdam
     assert CPUAdamOptimizers._resolve_optimizer_factory("AdamW") is torch.optim.AdamW
 
-    config = ConfigManager().parse_args(
-        [*documented, "--optimizer.step_behind_forward", "--training.disable_cuda_graphs"]
-    )
-    assert config.optimizer.step_behind_forward and config.training.disable_cuda_graphs
+    config = ConfigManager().parse_args([*documented, "--optimizer.step_behind_forward"])
+    assert config.optimizer.step_behind_forward

@@ -79,6 +79,7 @@ class StepBehindForward:
         self._in_flight: InFlight | None = None
         self._last: InFlight | None = None
         self._position: dict[int, int] = {}
+        self._unit_of_tensor: dict[int, int] = {}
         self._guard: ReadGuard | None = None
         self._hooks = [
             module.register_forward_pre_hook(self._before_forward(k), prepend=True)
@@ -150,9 +151,26 @@ class StepBehindForward:
         steps = [[parts[k] for parts in fixed if k in parts] for k in self._order]
         names = [self.units[k].describe() for k in self._order]
         unit_of, held = self._guard_tensors(fixed)
+        self._unit_of_tensor = unit_of
         self._in_flight = InFlight(steps, names, self.threads)
         self.state = State.IN_FLIGHT
         self._push_guard(unit_of, held)
+
+    def zero_grads(self, grads: list[Tensor]) -> bool:
+        """zero_grad(set_to_none=False) while a step is in flight: each unit's grads are zeroed once its step has read
+        them, and the forward goes on meanwhile; False where it cannot be done so (nothing in flight)."""
+        in_flight = self._in_flight
+        if in_flight is None or in_flight.finished:
+            return False
+        by_unit: dict[int, list[Tensor]] = {}
+        for g in grads:
+            position = self._unit_of_tensor.get(id(g))
+            if position is None:  # a grad of no unit's (stepped in step() itself): nothing reads it now
+                torch._foreach_zero_([g])
+            else:
+                by_unit.setdefault(position, []).append(getattr(g, "_local_tensor", g))
+        in_flight.zero_after_step(by_unit)
+        return True
 
     def settle(self) -> None:
         """Before anything that reads or writes the step's tensors from outside its forward: the whole step."""

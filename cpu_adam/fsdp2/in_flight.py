@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from enum import Enum
 
 import torch
+from torch import Tensor
 
 from .._compiled_step import GroupStep, adam_step_groups
 
@@ -39,6 +40,7 @@ class InFlight:
         self.status = [Status.QUEUED] * len(steps)
         self.seconds = [0.0] * len(steps)  # each unit's kernel time, for the benchmarks
         self.failure: tuple[int, BaseException] | None = None
+        self._to_zero: dict[int, list[Tensor]] = {}  # grads zero_grad(set_to_none=False) asked for, by unit
         self._steps = list(steps)
         self._queue = deque(range(len(steps)))
         self._changed = threading.Condition()
@@ -58,11 +60,12 @@ class InFlight:
                     if not self._queue:
                         return
                     unit = self._queue.popleft()
-                    if self.failure is not None:
-                        self.status[unit] = Status.LEFT
-                        self._changed.notify_all()
-                        continue
-                    self.status[unit] = Status.STEPPING
+                    left = self.failure is not None
+                    if not left:
+                        self.status[unit] = Status.STEPPING
+                if left:
+                    self._finish(unit, Status.LEFT)
+                    continue
                 start = time.perf_counter()
                 try:
                     adam_step_groups("CPUAdam", self._steps[unit])
@@ -70,13 +73,35 @@ class InFlight:
                 except BaseException as error:  # collected by the next wait, on the caller's thread
                     self.failure = (unit, error)
                     status = Status.FAILED
-                with self._changed:
-                    self.seconds[unit] = time.perf_counter() - start
-                    self.status[unit] = status
-                    self._changed.notify_all()
+                self.seconds[unit] = time.perf_counter() - start
+                self._finish(unit, status)
         finally:
             self._steps = []
             self.finished = True
+
+    def _finish(self, unit: int, status: Status) -> None:
+        """The unit's grads zeroed where zero_grad asked for it (also while this runs), then its status."""
+        while True:
+            with self._changed:
+                grads = self._to_zero.pop(unit, [])
+                if not grads:
+                    self.status[unit] = status
+                    self._changed.notify_all()
+                    return
+            torch._foreach_zero_(grads)
+
+    def zero_after_step(self, grads_by_unit: dict[int, list[Tensor]]) -> None:
+        """Zeroes each unit's ``grads`` once the unit's step has read them: now for the units done, after its step for
+        the others, before anyone waiting for the unit sees it done."""
+        done: list[Tensor] = []
+        with self._changed:
+            for unit, grads in grads_by_unit.items():
+                if self.status[unit] in (Status.QUEUED, Status.STEPPING):
+                    self._to_zero.setdefault(unit, []).extend(grads)
+                else:
+                    done += grads
+        if done:
+            torch._foreach_zero_(done)
 
     def wait(self, unit: int) -> None:
         """Until ``unit`` is stepped (or failed, or left): first in the queue if the thread has not reached it."""
