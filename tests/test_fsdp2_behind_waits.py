@@ -217,7 +217,7 @@ def test_zero_grad_keeping_the_grads_zeroes_each_unit_once_stepped(world_of_one:
         for optimizer in (serial_opt, our_opt):
             optimizer.zero_grad(set_to_none=False)
         assert our_opt._behind._in_flight is not None, "zero_grad waited for the whole step"
-        for model, optimizer in ((serial, serial_opt), (ours, our_opt)):
+        for model in (serial, ours):
             forward_backward(model, CASE, 1)  # accumulates into the zeroed grads
         our_opt._behind.wait()
         assert_same(tensors_of(ours, our_opt), tensors_of(serial, serial_opt), "after zero_grad(set_to_none=False)")
