@@ -57,24 +57,24 @@ std::atomic<const Isa*>& active_slot() {
 const std::vector<Isa>& compiled_isas() {
   static const std::vector<Isa> table = {
 #if defined(CPU_ADAM_HAS_AVX512_BF16)
-      {"avx512_bf16", adam_avx512_bf16, has_avx512_bf16},
+      {"avx512_bf16", adam_avx512_bf16, has_avx512_bf16, squares_avx512},
 #endif
 #if defined(__x86_64__) || defined(_M_X64)
-      {"avx512", adam_avx512, has_avx512},
-      {"avx2", adam_avx2, has_avx2},
+      {"avx512", adam_avx512, has_avx512, squares_avx512},
+      {"avx2", adam_avx2, has_avx2, squares_avx2},
 #endif
 // AArch64: not yet timed on hardware. SVE first, as it is never narrower than NEON.
 #if defined(CPU_ADAM_HAS_SVE)
-      {"sve_bf16", adam_sve_bf16, has_sve_bf16},
-      {"sve", adam_sve, has_sve},
+      {"sve_bf16", adam_sve_bf16, has_sve_bf16, squares_neon},
+      {"sve", adam_sve, has_sve, squares_neon},
 #endif
 #if defined(CPU_ADAM_HAS_NEON_BF16)
-      {"neon_bf16", adam_neon_bf16, has_neon_bf16},
+      {"neon_bf16", adam_neon_bf16, has_neon_bf16, squares_neon},
 #endif
 #if defined(__aarch64__)
-      {"neon", adam_neon, always},
+      {"neon", adam_neon, always, squares_neon},
 #endif
-      {"scalar", adam_scalar, always},
+      {"scalar", adam_scalar, always, squares_scalar},
   };
   return table;
 }

@@ -14,6 +14,7 @@ struct Isa {
   const char* name;
   KernelFn kernel;
   bool (*supported)();
+  SquaresFn squares;  // the widest vectors the ISA's CPUs have for it (the bf16 converts do not matter there)
 };
 
 const std::vector<Isa>& compiled_isas();

@@ -1,6 +1,7 @@
 // squared_norms: each tensor's sum of squares in double, for the clip norm of CPUAdam's step. One parallel
 // region over every tensor's chunks; a tensor's chunks start at its first element and are added in order, so
-// the sums do not depend on the thread count (kernels/squares.h fixes the order within a chunk).
+// the sums do not depend on the thread count (kernels/squares.h fixes the order within a chunk, the same on
+// every ISA: the active one's copy runs, CPU_ADAM_ISA included).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/zeros.h>
@@ -8,7 +9,7 @@
 
 #include <vector>
 
-#include "kernels/squares.h"
+#include "dispatch.h"
 
 namespace cpu_adam {
 namespace {
@@ -38,14 +39,14 @@ Tensor squared_norms(const std::vector<Tensor>& tensors) {
     }
   }
   std::vector<double> partial(chunks.size());
+  const SquaresFn squares = active_isa().squares;
   at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t lo, int64_t hi) {
     for (int64_t c = lo; c < hi; ++c) {
       const Chunk& chunk = chunks[c];
       const Tensor& x = flat[chunk.tensor];
-      const int64_t n = chunk.end - chunk.begin;
-      partial[c] = x.scalar_type() == at::kFloat
-                       ? sum_of_squares(x.const_data_ptr<float>() + chunk.begin, n)
-                       : sum_of_squares(reinterpret_cast<const uint16_t*>(x.const_data_ptr()) + chunk.begin, n);
+      const DType dtype = x.scalar_type() == at::kFloat ? DType::f32 : DType::bf16;
+      const auto* first = static_cast<const char*>(x.const_data_ptr()) + chunk.begin * x.element_size();
+      partial[c] = squares(first, dtype, chunk.end - chunk.begin);
     }
   });
   Tensor sums = at::zeros({static_cast<int64_t>(tensors.size())}, at::kDouble);

@@ -73,17 +73,23 @@ struct Hyper {
 };
 
 using KernelFn = void (*)(const Segment&, Layout, const Hyper&);
+// The sum of the squares of n float32 or bfloat16 elements (squares.h): the same bits on every ISA.
+using SquaresFn = double (*)(const void* x, DType dtype, int64_t n);
 
 void adam_scalar(const Segment&, Layout, const Hyper&);
+double squares_scalar(const void*, DType, int64_t);
 #if defined(__x86_64__) || defined(_M_X64)
 void adam_avx2(const Segment&, Layout, const Hyper&);
 void adam_avx512(const Segment&, Layout, const Hyper&);
+double squares_avx2(const void*, DType, int64_t);
+double squares_avx512(const void*, DType, int64_t);
 #if (defined(__GNUC__) && __GNUC__ >= 10) || (defined(__clang__) && __clang_major__ >= 9)
 #define CPU_ADAM_HAS_AVX512_BF16 1
 void adam_avx512_bf16(const Segment&, Layout, const Hyper&);
 #endif
 #elif defined(__aarch64__)
 void adam_neon(const Segment&, Layout, const Hyper&);
+double squares_neon(const void*, DType, int64_t);
 // The bf16 and SVE kernels need intrinsics that work under a target pragma
 // (GCC 11, Clang 16), and the auxiliary vector to detect them at run time.
 #if defined(__linux__) && \

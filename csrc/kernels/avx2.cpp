@@ -10,6 +10,7 @@
 #endif
 
 #include "adam_body.h"
+#include "squares.h"
 
 namespace cpu_adam {
 namespace {
@@ -80,6 +81,7 @@ struct Avx2Ops {
 }  // namespace
 
 void adam_avx2(const Segment& s, Layout l, const Hyper& h) { run<Avx2Ops>(s, l, h); }
+double squares_avx2(const void* x, DType dtype, int64_t n) { return squares_of(x, dtype, n); }
 
 }  // namespace cpu_adam
 

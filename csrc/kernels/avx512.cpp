@@ -10,10 +10,12 @@
 #endif
 
 #include "avx512_ops.h"
+#include "squares.h"
 
 namespace cpu_adam {
 
 void adam_avx512(const Segment& s, Layout l, const Hyper& h) { run<Avx512Ops>(s, l, h); }
+double squares_avx512(const void* x, DType dtype, int64_t n) { return squares_of(x, dtype, n); }
 
 }  // namespace cpu_adam
 

@@ -4,10 +4,12 @@
 #if defined(__aarch64__)
 #include "isa_prelude.h"
 #include "neon_ops.h"
+#include "squares.h"
 
 namespace cpu_adam {
 
 void adam_neon(const Segment& s, Layout l, const Hyper& h) { run<NeonOps>(s, l, h); }
+double squares_neon(const void* x, DType dtype, int64_t n) { return squares_of(x, dtype, n); }
 
 }  // namespace cpu_adam
 #endif

@@ -1,5 +1,5 @@
 // The sum of the squares of a run of float32 or bfloat16 elements, in double precision: the grads' norm for
-// clipping. Torch-free, like the Adam kernels.
+// clipping. Torch-free, like the Adam kernels; each ISA file instantiates it under its own target (squares_*).
 //
 // Each square is exact in double (a float32 significand squared needs 48 bits), and the squares are summed in
 // 32 lanes (element i in lane i % 32), whose sums are then added pairwise. The order is fixed by the
@@ -10,7 +10,10 @@
 #include <cstdint>
 #include <cstring>
 
+#include "adam_kernel.h"
+
 namespace cpu_adam {
+namespace {  // one copy per ISA file: the linker must not hand one target's code to another
 
 inline double widened(float x) { return static_cast<double>(x); }
 
@@ -46,4 +49,10 @@ double sum_of_squares(const T* x, int64_t n) {
   return lane[0];
 }
 
+double squares_of(const void* x, DType dtype, int64_t n) {
+  return dtype == DType::f32 ? sum_of_squares(static_cast<const float*>(x), n)
+                             : sum_of_squares(static_cast<const uint16_t*>(x), n);
+}
+
+}  // namespace
 }  // namespace cpu_adam
