@@ -15,8 +15,9 @@
 #      --batch 4): OffloadOptimizer "auto", torchao, FSDP2 + CPUAdam behind the forward (all on the host: 5.5k
 #      tokens/s on 2026-11-28, not repeated);
 #   3. cap24: a GPU of 24 GiB at batch 1: FSDP2 + CPUAdam behind the forward at 6.66B, then 11.6B (--layers 36
-#      --dim 5120 --heads 40), whose bf16 weights do not fit it; the models built in host RAM. (2026-12-04:
-#      OffloadOptimizer's 13.3 GB of bf16 weights with batch 4's activations do not fit 24 GiB.)
+#      --dim 5120 --heads 40), whose bf16 weights do not fit it; the models built in host RAM. OffloadOptimizer
+#      there is left out for time: its 13.3 GB of bf16 weights leave about 10 GB for 6.66B's activations, about
+#      what batch 1 needs (an estimate; the 2026-12-04 run was cut before it).
 #   4. tests: the CUDA tests, every one run (no -x: one failure does not hide the rest).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
