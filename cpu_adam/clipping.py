@@ -71,11 +71,13 @@ def norm_group_of(grads: Sequence[Tensor], norm_group: object) -> object:
 
 
 def _called_by_deepspeed() -> bool:
-    """Whether the first caller outside torch's and our own wrappers (the step's hooks, no_grad) is DeepSpeed's."""
+    """Whether the first caller outside torch's and our own wrappers (the step's hooks, no_grad) and outside any
+    optimizer's methods (a subclass's step() that calls ours, an optimizer wrapping this one) is DeepSpeed's."""
     frame = sys._getframe(1)
     while frame is not None:
         module = frame.f_globals.get("__name__", "")
-        if not module.startswith(("torch.", "cpu_adam.", "contextlib", "functools")):
+        wrapper = module.startswith(("torch.", "cpu_adam.", "contextlib", "functools"))
+        if not wrapper and not isinstance(frame.f_locals.get("self"), torch.optim.Optimizer):
             return module.startswith("deepspeed.")
         frame = frame.f_back
     return False

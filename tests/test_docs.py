@@ -10,9 +10,9 @@ Every ```python block of those pages is checked, by the line just before it:
   processes (gloo on the CPU); marked ``dist``.
 
 Also checked: every relative link of the pages (and of the other READMEs) names a file that
-exists and, after a ``#``, one of its headings as GitHub spells the anchor; the signatures and
-argument tables of docs/cpu_adam.md and docs/offload.md are the code's; docs/install.md lists
-every environment variable the package reads.
+exists and, after a ``#``, one of its headings as GitHub spells the anchor; every ```json block
+is a config of examples/; the signatures and argument tables of docs/cpu_adam.md and
+docs/offload.md are the code's; docs/install.md lists every environment variable the package reads.
 """
 
 from __future__ import annotations
@@ -315,6 +315,15 @@ def test_a_broken_link_is_found(tmp_path: Path) -> None:
         "other.md#not-a-heading",
         "other.md#not-a-heading-1",
     ]
+
+
+def test_json_blocks_are_example_configs() -> None:
+    """Every ```json block of the pages is a whole config that examples/ runs as it is shown (tests/test_deepspeed.py
+    builds its engines from these files)."""
+    examples = [json.loads(path.read_text()) for path in sorted((ROOT / "examples").glob("*.json"))]
+    blocks = [b for page in PAGES + OTHER_READMES for b in fenced_blocks(page) if b.language == "json"]
+    assert blocks, "no json block found: the check would pass by finding nothing"
+    assert [b.name for b in blocks if json.loads(b.source) not in examples] == []
 
 
 # -- the reference against the code ---------------------------------------------------------------
