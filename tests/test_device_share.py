@@ -3,9 +3,10 @@
 The scenarios of ``test_offload_digest.py`` (accumulation over micro-batches, a layer used in some of
 them only, a skipped step, clipping, lr changes, every state precision, stochastic rounding) are run
 with a share drawn at random before every step, so that buckets move between host and device memory
-all the time, and must give the digests recorded from the all-host code. On this machine the device
-is the CPU and the device kernel runs in Triton's interpreter; "copying" is the GPU's code path
-(staging areas, kept grads in their own memory, weights spread from device buffers).
+all the time, and must give the results of the all-host run, computed in the same run (whose bits
+follow the CPU: docs/numerics.md, "Across CPUs"). On this machine the device is the CPU and the
+device kernel runs in Triton's interpreter; "copying" is the GPU's code path (staging areas, kept
+grads in their own memory, weights spread from device buffers).
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ from offload_helpers import batches, lm_loss, make_model
 from test_offload_digest import (
     CONFIGS,
     DEVICES,
-    EXPECTED,
-    EXPECTED_ZERO,
     HYPER,
     ZERO_CONFIGS,
     WithSide,
     _device,
+    assert_same_results,
+    differences,
+    host_results,
     run_scenario,
 )
 
@@ -50,20 +52,21 @@ def random_shares(seed: int):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_a_share_drawn_at_random_every_step_gives_the_all_host_bits(name: str, device: str):
-    assert run_scenario(name, device, share=random_shares(len(name))) == EXPECTED[f"{name}/{device}"]
+    assert_same_results(run_scenario(name, device, share=random_shares(len(name))), host_results(name))
 
 
 @pytest.mark.parametrize("budget", [0, 20000], ids=["all streamed", "some resident"])
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", ["fp32-clip", "bf16-states-clip_grad_norm_", "bf16-sr-8bit-clip_grad_norm_"])
 def test_state_streamed_beyond_the_device_budget_gives_the_all_host_bits(name: str, device: str, budget: int):
-    digest = run_scenario(name, device, share=random_shares(budget), device_budget=budget)
-    assert digest == EXPECTED[f"{name}/{device}"]
+    results = run_scenario(name, device, share=random_shares(budget), device_budget=budget)
+    assert_same_results(results, host_results(name))
 
 
 @pytest.mark.parametrize("name", ["fp32-clip", "bf16-sr-8bit-clip_grad_norm_"])
 def test_stepping_during_backward_with_a_random_share_gives_the_all_host_bits(name: str):
-    assert run_scenario(name, "copying", overlap="backward", share=random_shares(7)) == EXPECTED[f"{name}/copying"]
+    shares = random_shares(2)  # 0, 1, 0.84, 1, 0, 0.61: seed 7 drew shares under 0.1, which hold no bucket
+    assert_same_results(run_scenario(name, "copying", overlap="backward", share=shares), host_results(name))
 
 
 @triton.jit
@@ -73,10 +76,11 @@ def _div_by_reciprocal(a, b, BEFORE_ROUNDING: tl.constexpr):
 
 @pytest.mark.parametrize("share", [0.5, 1.0])
 def test_a_device_kernel_with_one_rounding_changed_breaks_the_contract(monkeypatch: pytest.MonkeyPatch, share: float):
+    all_host = host_results("fp32-clip")
     monkeypatch.setattr(kernels, "div", _div_by_reciprocal)
     monkeypatch.setattr(launch, "_namespaces", {})
     monkeypatch.setattr(launch, "_twins", {})
-    assert run_scenario("fp32-clip", "cpu", share=lambda step: share) != EXPECTED["fp32-clip/cpu"]
+    assert differences(run_scenario("fp32-clip", "cpu", share=lambda step: share), all_host)
 
 
 def _state_bytes(opt: OffloadOptimizer) -> list[torch.Tensor]:
@@ -273,14 +277,14 @@ def test_without_triton_a_device_share_is_refused_with_the_fix(monkeypatch: pyte
 
 
 def _zero_share_rank(rank: int, world_size: int, out: Path) -> None:
-    digests = {
-        f"{name}/{device}": run_scenario(
-            name, device, process_group=dist.group.WORLD, rank=rank, world_size=world_size, share=random_shares(3)
-        )
-        for name in ZERO_CONFIGS
-        for device in DEVICES
-    }
-    torch.save(digests, out / f"digests{rank}.pt")
+    ranks = dict(process_group=dist.group.WORLD, rank=rank, world_size=world_size)
+    wrong = {}
+    for name in ZERO_CONFIGS:
+        all_host = run_scenario(name, "cpu", **ranks)
+        for device in DEVICES:
+            shared = run_scenario(name, device, share=random_shares(3), **ranks)
+            wrong[f"{name}/{device}"] = differences(shared, all_host)
+    torch.save(wrong, out / f"differences{rank}.pt")
 
 
 @pytest.mark.dist
@@ -288,9 +292,9 @@ def test_zero_ranks_with_a_random_share_give_the_all_host_bits(tmp_path: Path):
     from rank_spawn import run_ranks
 
     run_ranks(_zero_share_rank, tmp_path, timeout_s=240.0)
-    for r in range(2):
-        for key, digest in torch.load(tmp_path / f"digests{r}.pt").items():
-            assert digest == EXPECTED_ZERO[f"{key}/rank{r}"], key
+    for rank in range(2):
+        for run, wrong in torch.load(tmp_path / f"differences{rank}.pt").items():
+            assert not wrong, f"rank {rank}, {run}: {len(wrong)} results differ from the all-host run's: {wrong[:6]}"
 
 
 # -- device_fraction="auto" --------------------------------------------------------------------------------------
@@ -349,6 +353,8 @@ def test_auto_on_the_cpu_device_leaves_the_step_to_the_host():
 def test_auto_changing_the_share_from_step_to_step_gives_the_all_host_bits(monkeypatch: pytest.MonkeyPatch):
     from cpu_adam.offload.auto import Observed, Planner
 
+    names = ("fp32-clip", "bf16-sr-8bit-clip_grad_norm_")
+    all_host = {name: host_results(name) for name in names}  # before the planner is patched
     memory = iter([30, 3, 300, 0, 60, 12] * 10)  # KiB beside the activations, step after step
     monkeypatch.setattr(
         Planner,
@@ -363,8 +369,8 @@ def test_auto_changing_the_share_from_step_to_step_gives_the_all_host_bits(monke
         seen.append(len(self._share._requested or ()))
 
     monkeypatch.setattr(Planner, "step_ended", noting)
-    for name in ("fp32-clip", "bf16-sr-8bit-clip_grad_norm_"):
-        assert run_scenario(name, "copying", device_fraction="auto") == EXPECTED[f"{name}/copying"]
+    for name in names:
+        assert_same_results(run_scenario(name, "copying", device_fraction="auto"), all_host[name])
     assert len(set(seen)) > 2, f"the share changed from step to step: {seen}"
 
 
