@@ -17,6 +17,7 @@ from __future__ import annotations
 import enum
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import Tensor, nn
@@ -77,6 +78,7 @@ class StepBehindForward:
         self._order = list(range(len(self.units)))  # module order until a forward shows FSDP2's
         self._gathered: list[int] = []  # units whose forward ran since the last step, in that order
         self._in_flight: InFlight | None = None
+        self._stepper = ThreadPoolExecutor(1, thread_name_prefix="cpu_adam step behind the forward")
         self._last: InFlight | None = None
         self._position: dict[int, int] = {}
         self._unit_of_tensor: dict[int, int] = {}
@@ -105,6 +107,7 @@ class StepBehindForward:
             for hook in self._hooks:
                 hook.remove()
             self._retire_guard()
+            self._stepper.shutdown()
             self._optimizer._behind = None
             self.state = State.REMOVED
 
@@ -152,7 +155,7 @@ class StepBehindForward:
         names = [self.units[k].describe() for k in self._order]
         unit_of, held = self._guard_tensors(fixed)
         self._unit_of_tensor = unit_of
-        self._in_flight = InFlight(steps, names, self.threads)
+        self._in_flight = InFlight(steps, names, self.threads, self._stepper)
         self.state = State.IN_FLIGHT
         self._push_guard(unit_of, held)
 
