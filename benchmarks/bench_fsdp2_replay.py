@@ -105,18 +105,21 @@ def measure(model: nn.Module, behind: bool, steps: int, unit_s: list[float], bac
     )
     # Every thread: here the forward's thread sleeps, as a GPU's launching thread would mostly wait.
     handle = step_behind_forward(model, optimizer, threads=torch.get_num_threads()) if behind else None
-    times = []
+    times, kernels = [], []
     for i in range(steps + 2):  # two to warm up: the state's first step, then the first step behind
         start = time.perf_counter()
         replayed_step(model, optimizer, unit_s, backward_s)
         if i >= 2:
             times.append(time.perf_counter() - start)
+            if handle is not None and i > 2 and handle._last is not None:  # the step this forward ran beside
+                kernels.append(sum(handle._last.seconds))
     if handle is not None:
         handle.wait()
         handle.remove()
     gpu_s = gpu_time(model, steps, unit_s, backward_s)
     step_s = statistics.median(times)
-    return {"step_s": step_s, "gpu_s": gpu_s, "exposed_s": step_s - gpu_s, "steps_s": times}
+    kernel_s = statistics.median(kernels) if kernels else None
+    return {"step_s": step_s, "gpu_s": gpu_s, "exposed_s": step_s - gpu_s, "steps_s": times, "kernel_s": kernel_s}
 
 
 def gpu_time(model: nn.Module, steps: int, unit_s: list[float], backward_s: float) -> float:
@@ -213,7 +216,7 @@ def main() -> None:
         "",
         f"behind: {serial['step_s'] / behind['step_s']:.2f}x the serial step's speed; exposed "
         f"{behind['exposed_s'] * 1e3:.1f} ms; the target, max(0, host step - forward) + 10% of the serial step: "
-        f"{bar * 1e3:.1f} ms ({verdict})",
+        f"{bar * 1e3:.1f} ms ({verdict}); behind the forward the kernel took {behind['kernel_s'] * 1e3:.1f} ms",
         f"the guard while a step is in flight: a small torch op on the stepping thread {plain_op * 1e6:.2f} us, "
         f"{guarded_op * 1e6:.2f} us under it (+{(guarded_op - plain_op) * 1e6:.2f} us an op)",
     ]
