@@ -596,6 +596,18 @@ class _Marks:
         return [(label, t - start) for label, t in self.marks]
 
 
+def marked_step(c: Contender, tokens: torch.Tensor, marks: _Marks) -> None:
+    """One training step with a mark at its start and after its forward, backward and step() call."""
+    sync()
+    marks.mark("start")
+    loss = c.loss(tokens)
+    marks.mark("forward")
+    c.backward(loss)
+    marks.mark("backward")
+    c.step()
+    marks.mark("step")
+
+
 def record_timeline(c: CpuAdamOffload, tokens: torch.Tensor, path: str) -> None:
     """One step's timeline: when the forward ends, each bucket lands (its grads sent, on the device's clock), the
     backward ends, and step() ends; with the step's timings and the optimizer's bytes, for bench_replay.py."""
@@ -609,14 +621,7 @@ def record_timeline(c: CpuAdamOffload, tokens: torch.Tensor, path: str) -> None:
 
     rooms.link.down = down
     try:
-        sync()
-        marks.mark("start")
-        loss = c.loss(tokens)
-        marks.mark("forward")
-        c.backward(loss)
-        marks.mark("backward")
-        c.step()
-        marks.mark("step")
+        marked_step(c, tokens, marks)
         c.zero_grad()
     finally:
         rooms.link.down = real_down
@@ -653,14 +658,7 @@ def record_fsdp2_timeline(c: FSDP2, tokens: torch.Tensor, path: str) -> None:
     ]
     try:
         c.settle()
-        sync()
-        marks.mark("start")
-        loss = c.loss(tokens)
-        marks.mark("forward")
-        c.backward(loss)
-        marks.mark("backward")
-        c.step()
-        marks.mark("step")
+        marked_step(c, tokens, marks)
         host = dict(c.host_split)
         host_ms = {"step_after_call": c.settle(), **host}
         c.zero_grad()

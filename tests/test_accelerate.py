@@ -49,7 +49,8 @@ def _fresh_accelerator() -> Accelerator:
     return Accelerator(cpu=True, gradient_accumulation_steps=ACCUMULATION)
 
 
-def _with_accelerate(accelerator: Accelerator, model, opt, data: list[torch.Tensor]) -> list[float]:
+def _with_accelerate(accelerator: Accelerator, model, opt, data: list[torch.Tensor], scheduler=None) -> list[float]:
+    """accelerate's loop: accumulate, backward, clip_grad_norm_, step, the scheduler's step (if any), zero_grad."""
     norms = []
     for tokens in data:
         with accelerator.accumulate(model):
@@ -57,6 +58,8 @@ def _with_accelerate(accelerator: Accelerator, model, opt, data: list[torch.Tens
             if accelerator.sync_gradients:
                 norms.append(float(accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)))
             opt.step()
+            if scheduler is not None:
+                scheduler.step()
             opt.zero_grad()
     return norms
 

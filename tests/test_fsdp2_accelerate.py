@@ -111,33 +111,20 @@ def prepared_with_a_schedule(seed: int):
     return accelerator, *accelerator.prepare(model, optimizer, scheduler)
 
 
-def train_with_a_schedule(accelerator, model, optimizer, scheduler, data: list[torch.Tensor]) -> list[float]:
-    """accelerate's loop: accumulate, backward, clip_grad_norm_, step, the scheduler's step, zero_grad."""
-    norms = []
-    for tokens in data:
-        with accelerator.accumulate(model):
-            accelerator.backward(model(input_ids=tokens, labels=tokens).loss)
-            if accelerator.sync_gradients:
-                norms.append(float(accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)))
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
-    return norms
-
-
 def _behind_forward_trains_and_resumes_as_the_serial_step(rank: int, world_size: int, folder: str) -> None:
     data = token_batches(4 * ACCUMULATION, seed=1 + rank)
     half = len(data) // 2
     serial = prepared_with_a_schedule(0)
-    expected_norms = train_with_a_schedule(*serial, data)
+    accelerator, model, optimizer, scheduler = serial
+    expected_norms = train(accelerator, model, optimizer, data, scheduler)
     expected = shards(*serial[1:3])
 
     accelerator, model, optimizer, scheduler = prepared_with_a_schedule(0)
     handle = step_behind_forward(model, optimizer.optimizer)  # prepare returns the FSDP2 model, CPUAdam wrapped
     with slow_units(0.02):  # each unit's step lags: what does not wait for it would read the old values
-        norms = train_with_a_schedule(accelerator, model, optimizer, scheduler, data[:half])
+        norms = train(accelerator, model, optimizer, data[:half], scheduler)
         accelerator.save_state(folder)  # right after a step()
-        norms += train_with_a_schedule(accelerator, model, optimizer, scheduler, data[half:])
+        norms += train(accelerator, model, optimizer, data[half:], scheduler)
         straight = shards(model, optimizer)
     assert list(handle.unit_seconds) == UNITS  # the last step was queued unit by unit, in the forward's order
     handle.remove()
@@ -149,7 +136,7 @@ def _behind_forward_trains_and_resumes_as_the_serial_step(rank: int, world_size:
     handle = step_behind_forward(model, optimizer.optimizer)
     accelerator.load_state(folder)
     with slow_units(0.02):
-        train_with_a_schedule(accelerator, model, optimizer, scheduler, data[half:])
+        train(accelerator, model, optimizer, data[half:], scheduler)
         resumed = shards(model, optimizer)
     handle.remove()
     assert scheduler.get_last_lr() == serial[3].get_last_lr()

@@ -126,16 +126,7 @@ def test_a_read_after_the_next_step_sees_it_stepped(world_of_one: None, read: st
 def test_a_step_after_one_a_backward_ended_guards_its_own_tensors(world_of_one: None) -> None:
     """The first step ends in a backward of a graph made before it (so no forward retires its guard); the second
     step's guard is its own: a read right after it waits for it."""
-    serial, serial_opt = build(CASE)
-    ours, our_opt = build(CASE)
-    step_behind_forward(ours, our_opt)
-    for model, optimizer in ((serial, serial_opt), (ours, our_opt)):
-        forward_backward(model, CASE, 0)
-        x, y = batch(CASE, 1)
-        loss = nn.functional.mse_loss(model(x), y)
-        optimizer.step()
-        optimizer.zero_grad()
-        loss.backward()
+    serial, serial_opt, ours, our_opt = backward_after_step(zero_grad=True)
     with slow_units():
         for optimizer in (serial_opt, our_opt):
             optimizer.step()
@@ -265,17 +256,26 @@ def test_a_step_post_hook_sees_the_step_done(world_of_one: None) -> None:
     assert_same(seen, plain(serial.state_dict()), "a step post-hook")
 
 
+def backward_after_step(zero_grad: bool):
+    """Twins one step in, each step followed by the backward of a graph made before it (without zero_grad between,
+    its grads accumulate into those the step reads)."""
+    serial, serial_opt = build(CASE)
+    ours, our_opt = build(CASE)
+    step_behind_forward(ours, our_opt)
+    for model, optimizer in ((serial, serial_opt), (ours, our_opt)):
+        forward_backward(model, CASE, 0)
+        x, y = batch(CASE, 1)
+        loss = nn.functional.mse_loss(model(x), y)
+        optimizer.step()
+        if zero_grad:
+            optimizer.zero_grad()
+        loss.backward()
+    return serial, serial_opt, ours, our_opt
+
+
 def test_a_backward_of_a_graph_made_before_step_waits(world_of_one: None) -> None:
     with slow_units():
-        serial, serial_opt = build(CASE)
-        ours, our_opt = build(CASE)
-        step_behind_forward(ours, our_opt)
-        for model, optimizer in ((serial, serial_opt), (ours, our_opt)):
-            forward_backward(model, CASE, 0)
-            x, y = batch(CASE, 1)
-            loss = nn.functional.mse_loss(model(x), y)  # its grads accumulate into those the step reads
-            optimizer.step()
-            loss.backward()
+        serial, serial_opt, ours, our_opt = backward_after_step(zero_grad=False)
         our_opt._behind.wait()
     assert_same(tensors_of(ours, our_opt), tensors_of(serial, serial_opt), "a backward after step()")
     assert_same(
@@ -311,7 +311,9 @@ def test_an_lr_scheduler_between_step_and_forward_changes_the_next_step(world_of
     assert_same(tensors_of(ours, our_opt), tensors_of(serial, serial_opt), "a scheduler stepped in between")
 
 
-def test_a_failure_is_raised_at_the_first_wait_and_leaves_the_rest_unstepped(world_of_one: None) -> None:
+def second_step_ready():
+    """Twins one step in with the second step's grads; the serial twin's second step taken, ours not yet, and its
+    tensors as they are before it."""
     serial, serial_opt = build(CASE)
     ours, our_opt = build(CASE)
     handle = step_behind_forward(ours, our_opt)
@@ -322,6 +324,11 @@ def test_a_failure_is_raised_at_the_first_wait_and_leaves_the_rest_unstepped(wor
         forward_backward(model, CASE, 1)
     before = copies(tensors_of(ours, our_opt))
     serial_opt.step()
+    return serial, serial_opt, ours, our_opt, handle, before
+
+
+def test_a_failure_is_raised_at_the_first_wait_and_leaves_the_rest_unstepped(world_of_one: None) -> None:
+    serial, serial_opt, ours, our_opt, handle, before = second_step_ready()
     with slow_units(0.01, failing=2):
         our_opt.step()
         failing_unit = handle.order[2]
@@ -344,16 +351,7 @@ def _prefixes(unit) -> list[str]:
 
 
 def test_ctrl_c_during_a_step_in_flight_leaves_no_unit_torn(world_of_one: None) -> None:
-    serial, serial_opt = build(CASE)
-    ours, our_opt = build(CASE)
-    handle = step_behind_forward(ours, our_opt)
-    for model, optimizer in ((serial, serial_opt), (ours, our_opt)):
-        forward_backward(model, CASE, 0)
-        optimizer.step()
-        optimizer.zero_grad()
-        forward_backward(model, CASE, 1)
-    before = copies(tensors_of(ours, our_opt))
-    serial_opt.step()
+    serial, serial_opt, ours, our_opt, handle, before = second_step_ready()
     stepped = tensors_of(serial, serial_opt)
     with slow_units(0.2):
         our_opt.step()
