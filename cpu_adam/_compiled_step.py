@@ -14,7 +14,7 @@ from ._signals import interrupts_deferred
 from ._validation import check_hyper_parameters
 from .ops import adam_step
 
-__all__ = ["GroupStep", "adam_step_groups"]
+__all__ = ["GroupStep", "adam_step_groups", "check_groups"]
 
 
 class GroupStep(NamedTuple):
@@ -79,11 +79,17 @@ def adam_step_groups(owner: str, groups: Sequence[GroupStep]) -> None:
     _step_groups(groups)
 
 
+def check_groups(groups: Sequence[GroupStep]) -> None:
+    """Every kernel call of these groups' step checked, none run: a step refused here changes nothing."""
+    for group in groups:
+        for _, kwargs in _kernel_calls(group):
+            adam_step(**kwargs, check_only=True)
+
+
 def _step_groups(groups: Sequence[GroupStep]) -> None:
     calls = [(group, indices, kwargs) for group in groups for indices, kwargs in _kernel_calls(group)]
     if len(calls) > 1:  # each call is all or nothing; checked together first, so is the whole step
-        for _, _, kwargs in calls:
-            adam_step(**kwargs, check_only=True)
+        check_groups(groups)
     with interrupts_deferred():  # Ctrl-C: after the counts, which change with the tensors
         for group, indices, kwargs in calls:
             adam_step(**kwargs)

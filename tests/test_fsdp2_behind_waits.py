@@ -464,3 +464,25 @@ def test_a_mode_of_the_trainers_own_pushed_after_the_guard_keeps_its_place(world
     assert torch._C._len_torch_function_stack() == depth, "guards piled up on the stack"
     assert Counting.calls > 0
     assert_same(tensors_of(ours, our_opt), tensors_of(serial, serial_opt), "with a mode of the trainer's own")
+
+
+def test_a_param_outside_every_unit_steps_first_and_its_readers_wait(world_of_one: None) -> None:
+    """A param of the optimizer's in no FSDP2 unit (a plain tensor beside the model): stepped first in the queue;
+    reading it right after step() waits for it; bitwise the serial step."""
+    extras = [nn.Parameter(torch.ones(5)) for _ in range(2)]
+    for extra in extras:
+        extra.grad = torch.full((5,), 0.5)
+    with slow_units():
+        serial, serial_opt = build(CASE)
+        ours, our_opt = build(CASE)
+        serial_opt.add_param_group({"params": [extras[0]]})
+        our_opt.add_param_group({"params": [extras[1]]})
+        handle = step_behind_forward(ours, our_opt)
+        for model, optimizer in ((serial, serial_opt), (ours, our_opt)):
+            forward_backward(model, CASE, 0)
+            optimizer.step()
+        assert handle._in_flight.names[0] == "outside FSDP2's units"
+        read = extras[1].detach().clone()
+        handle.wait()
+    assert torch.equal(read, extras[0].detach()) and not torch.equal(read, torch.ones(5))
+    assert_same(tensors_of(ours, our_opt), tensors_of(serial, serial_opt), "with a param outside the units")

@@ -22,15 +22,14 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from torch import Tensor, nn
 
-from .._compiled_step import GroupStep
-from ..ops import adam_step
+from .._compiled_step import GroupStep, check_groups
 from .guard import ReadGuard
 from .in_flight import InFlight, Status
 from .units import Unit, find_units
 
 __all__ = ["StepBehindForward", "step_behind_forward"]
 
-OUTSIDE = -1  # a param of the optimizer in no FSDP2 unit: stepped inside step() itself
+OUTSIDE = -1  # a param of the optimizer in no FSDP2 unit: stepped first, before the units
 
 
 class State(enum.Enum):
@@ -76,6 +75,7 @@ class StepBehindForward:
         self._optimizer = optimizer
         self._unit_of_param = {id(p): k for k, unit in enumerate(self.units) for p in unit.params}
         self._order = list(range(len(self.units)))  # module order until a forward shows FSDP2's
+        self._queue = list(self._order)
         self._gathered: list[int] = []  # units whose forward ran since the last step, in that order
         self._in_flight: InFlight | None = None
         self._stepper = ThreadPoolExecutor(1, thread_name_prefix="cpu_adam step behind the forward")
@@ -137,22 +137,13 @@ class StepBehindForward:
 
     def launch(self, per_group: list[dict[int, GroupStep]]) -> None:
         """Queues the step: each group's part in each unit (``per_group``: unit -> that group's GroupStep), every
-        kernel call checked first (a refused step changes nothing), the params outside every unit stepped now."""
-        from .._compiled_step import _kernel_calls  # the calls the queued step will make
-
+        kernel call checked first (a refused step changes nothing); the optimizer's params outside every unit, if
+        any, first (no gather waits for them; what reads them does)."""
         fixed = [{unit: step._replace(lr=float(step.lr)) for unit, step in parts.items()} for parts in per_group]
-        for parts in fixed:
-            for step in parts.values():
-                for _, kwargs in _kernel_calls(step):
-                    adam_step(**kwargs, check_only=True)
-        outside = [parts[OUTSIDE] for parts in fixed if OUTSIDE in parts]
-        if outside:
-            from .._compiled_step import adam_step_groups
-
-            adam_step_groups("CPUAdam", outside)
-        self._learn_order()
-        steps = [[parts[k] for parts in fixed if k in parts] for k in self._order]
-        names = [self.units[k].describe() for k in self._order]
+        check_groups([step for parts in fixed for step in parts.values()])
+        self._learn_order(outside=any(OUTSIDE in parts for parts in fixed))
+        steps = [[parts[k] for parts in fixed if k in parts] for k in self._queue]
+        names = [self.units[k].describe() if k != OUTSIDE else "outside FSDP2's units" for k in self._queue]
         unit_of, held = self._guard_tensors(fixed)
         self._unit_of_tensor = unit_of
         self._in_flight = InFlight(steps, names, self.threads, self._stepper)
@@ -168,7 +159,7 @@ class StepBehindForward:
         by_unit: dict[int, list[Tensor]] = {}
         for g in grads:
             position = self._unit_of_tensor.get(id(g))
-            if position is None:  # a grad of no unit's (stepped in step() itself): nothing reads it now
+            if position is None:  # a grad the step does not read (its param has no state yet): zeroed now
                 torch._foreach_zero_([g])
             else:
                 by_unit.setdefault(position, []).append(getattr(g, "_local_tensor", g))
@@ -198,10 +189,13 @@ class StepBehindForward:
         if in_flight is None or all(s not in (Status.QUEUED, Status.STEPPING) for s in in_flight.status):
             self.wait()
 
-    def _learn_order(self) -> None:
+    def _learn_order(self, outside: bool) -> None:
+        """The units in the order the last forward gathered them (the rest after, as before), behind the params
+        outside every unit where there are any: the step's queue."""
         seen = list(self._gathered)
         self._order = seen + [k for k in self._order if k not in seen]
-        self._position = {k: i for i, k in enumerate(self._order)}
+        self._queue = [OUTSIDE] * outside + self._order
+        self._position = {k: i for i, k in enumerate(self._queue)}
         self._gathered = []
 
     # -- waits ----------------------------------------------------------------------------------------------
@@ -259,10 +253,8 @@ class StepBehindForward:
             for t in tensors:
                 unit_of[id(t)] = self._position[k]
             held += tensors
-        for parts in fixed:  # the pieces the kernel steps (copies of heads included)
+        for parts in fixed:  # the pieces the kernel steps (copies of heads included), and the params outside units
             for k, step in parts.items():
-                if k == OUTSIDE:
-                    continue
                 for t in (*step.params, *step.grads, *step.exp_avgs, *step.exp_avg_sqs, *step.steps):
                     unit_of.setdefault(id(t), self._position[k])
                     held.append(t)
