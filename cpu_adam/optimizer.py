@@ -40,7 +40,6 @@ _UNSUPPORTED_FLAGS = ("amsgrad", "capturable", "differentiable")
 
 
 _local = places.local
-_EMPTY = GroupStep([], [], [], [], [], 0.0, 0.9, 0.999, 1e-8, 0.0, True, True, 1.0, False, 0, [])
 
 
 def _busy(verb: str) -> RuntimeError:
@@ -201,7 +200,7 @@ class CPUAdam(torch.optim.Optimizer):
         unit_of = behind.unit_of if behind is not None else None
         groups = [self._group_steps(index, group, clip, unit_of) for index, group in enumerate(self.param_groups)]
         if behind is None:
-            adam_step_groups("CPUAdam", [parts.get(0, _EMPTY) for parts in groups])
+            adam_step_groups("CPUAdam", [step for parts in groups for step in parts.values()])
             return loss
         behind.launch(groups)
         if self._optimizer_step_post_hooks or _global_optimizer_post_hooks:  # they read what the step wrote

@@ -71,7 +71,7 @@ class StepBehindForward:
             raise ValueError("step_behind_forward: no model part given")
         self.units: list[Unit] = find_units(parts)
         self.threads = threads or max(1, torch.get_num_threads() - 1)
-        self.state = State.IDLE
+        self._removed = False
         self._optimizer = optimizer
         self._unit_of_param = {id(p): k for k, unit in enumerate(self.units) for p in unit.params}
         self._order = list(range(len(self.units)))  # module order until a forward shows FSDP2's
@@ -97,9 +97,15 @@ class StepBehindForward:
 
     # -- lifecycle ------------------------------------------------------------------------------------------
 
+    @property
+    def state(self) -> State:
+        if self._removed:
+            return State.REMOVED
+        return State.IN_FLIGHT if self._in_flight is not None else State.IDLE
+
     def remove(self) -> None:
         """Waits for the step in flight, then goes back to the serial step."""
-        if self.state is State.REMOVED:
+        if self._removed:
             return
         try:
             self.wait()
@@ -109,14 +115,11 @@ class StepBehindForward:
             self._retire_guard()
             self._stepper.shutdown()
             self._optimizer._behind = None
-            self.state = State.REMOVED
+            self._removed = True
 
     def wait(self) -> None:
         """Until every unit of the step in flight is stepped; raises the failure of one that raised."""
-        in_flight = self._in_flight
-        if in_flight is not None:
-            in_flight.wait_all()
-            self._collect(in_flight)
+        self._wait_all()
         self._retire_guard()
 
     @property
@@ -144,10 +147,9 @@ class StepBehindForward:
         self._learn_order(outside=any(OUTSIDE in parts for parts in fixed))
         steps = [[parts[k] for parts in fixed if k in parts] for k in self._queue]
         names = [self.units[k].describe() if k != OUTSIDE else "outside FSDP2's units" for k in self._queue]
-        unit_of, held = self._guard_tensors(fixed)
+        unit_of, held = self._guard_tensors()
         self._unit_of_tensor = unit_of
         self._in_flight = InFlight(steps, names, self.threads, self._stepper)
-        self.state = State.IN_FLIGHT
         self._push_guard(unit_of, held)
 
     def zero_grads(self, grads: list[Tensor]) -> bool:
@@ -168,7 +170,7 @@ class StepBehindForward:
 
     def settle(self) -> None:
         """Before anything that reads or writes the step's tensors from outside its forward: the whole step."""
-        if self.state is State.IN_FLIGHT:
+        if self._in_flight is not None:
             self.wait()
 
     # -- the forward's side ---------------------------------------------------------------------------------
@@ -177,7 +179,7 @@ class StepBehindForward:
         def hook(module: nn.Module, args: object) -> None:
             if torch._C._current_graph_task_id() == -1 and k not in self._gathered:  # not a recompute in backward
                 self._gathered.append(k)
-            if self.state is State.IN_FLIGHT:
+            if self._in_flight is not None:
                 self._wait_unit(self._position[k])
 
         return hook
@@ -233,31 +235,29 @@ class StepBehindForward:
         if self._in_flight is in_flight:
             self._last = in_flight
             self._in_flight = None
-            self.state = State.IDLE if self.state is State.IN_FLIGHT else self.state
 
     # -- the guard ------------------------------------------------------------------------------------------
 
-    def _guard_tensors(self, fixed: list[dict[int, GroupStep]]) -> tuple[dict[int, int], list[Tensor]]:
-        """Which unit each tensor of the step belongs to (by id), and the tensors: the params, their grads and states
-        (DTensors and their local shards), and the shards FSDP2's gather reads."""
+    def _guard_tensors(self) -> tuple[dict[int, int], list[Tensor]]:
+        """Which queue position each tensor of the step belongs to (by id), and the tensors: the optimizer's params,
+        their grads and states (DTensors and their local shards), and the shards FSDP2's gather reads."""
         held: list[Tensor] = []
         unit_of: dict[int, int] = {}
-        optimizer_state = self._optimizer.state
         for k in self._order:
-            unit = self.units[k]
-            tensors: list[Tensor] = list(unit.gathered)
-            for p in unit.params:
-                tensors += [p, p.grad] if p.grad is not None else [p]
-                tensors += [v for v in optimizer_state.get(p, {}).values() if isinstance(v, Tensor)]
+            for t in self.units[k].gathered:
+                unit_of[id(t)] = self._position[k]
+                held.append(t)
+        state = self._optimizer.state
+        for p in (p for group in self._optimizer.param_groups for p in group["params"]):
+            position = self._position.get(self.unit_of(p))
+            if position is None:  # outside every unit and not stepped
+                continue
+            tensors = [p, *([p.grad] if p.grad is not None else [])]
+            tensors += [v for v in state.get(p, {}).values() if isinstance(v, Tensor)]
             tensors += [t._local_tensor for t in tensors if hasattr(t, "_local_tensor")]
             for t in tensors:
-                unit_of[id(t)] = self._position[k]
+                unit_of[id(t)] = position
             held += tensors
-        for parts in fixed:  # the pieces the kernel steps (copies of heads included), and the params outside units
-            for k, step in parts.items():
-                for t in (*step.params, *step.grads, *step.exp_avgs, *step.exp_avg_sqs, *step.steps):
-                    unit_of.setdefault(id(t), self._position[k])
-                    held.append(t)
         return unit_of, held
 
     def _push_guard(self, unit_of: dict[int, int], held: list[Tensor]) -> None:

@@ -31,7 +31,8 @@ def total_norm(grads: Sequence[Tensor], group: object = None) -> Tensor:
     group (FSDP2: one per step) where torch's clip_grad_norm_ makes one per tensor."""
     by_mesh: dict[object, list[Tensor]] = {}
     for g in grads:
-        by_mesh.setdefault(_reduced_over(g) or (group and (group, None)), []).append(local(g))
+        plain = (group, None) if group is not None else None
+        by_mesh.setdefault(_reduced_over(g) or plain, []).append(local(g))
     total = math.fsum(_squares(tensors, reduced_over) for reduced_over, tensors in by_mesh.items())
     return torch.tensor(math.sqrt(total), dtype=torch.float32)
 

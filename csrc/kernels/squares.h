@@ -24,8 +24,7 @@ inline double widened(uint16_t bf16) {  // bfloat16 is the high half of a float3
   return static_cast<double>(x);
 }
 
-// 32 lanes: enough independent additions in flight to keep the floating-point units busy (8 lanes ran at a
-// third of the speed); plain loops the compiler vectorizes for any target.
+// 32 lanes, each its own chain of additions: plain loops the compiler vectorizes for any target.
 constexpr int kSquareLanes = 32;
 
 template <typename T>
