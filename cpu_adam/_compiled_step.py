@@ -81,15 +81,18 @@ def adam_step_groups(owner: str, groups: Sequence[GroupStep]) -> None:
 
 def check_groups(groups: Sequence[GroupStep]) -> None:
     """Every kernel call of these groups' step checked, none run: a step refused here changes nothing."""
-    for group in groups:
-        for _, kwargs in _kernel_calls(group):
-            adam_step(**kwargs, check_only=True)
+    _check_calls([kwargs for group in groups for _, kwargs in _kernel_calls(group)])
+
+
+def _check_calls(calls: Sequence[dict[str, Any]]) -> None:
+    for kwargs in calls:
+        adam_step(**kwargs, check_only=True)
 
 
 def _step_groups(groups: Sequence[GroupStep]) -> None:
     calls = [(group, indices, kwargs) for group in groups for indices, kwargs in _kernel_calls(group)]
     if len(calls) > 1:  # each call is all or nothing; checked together first, so is the whole step
-        check_groups(groups)
+        _check_calls([kwargs for _, _, kwargs in calls])
     with interrupts_deferred():  # Ctrl-C: after the counts, which change with the tensors
         for group, indices, kwargs in calls:
             adam_step(**kwargs)
